@@ -1,0 +1,20 @@
+"""gc_jax: gradient caching for JAX.
+
+Exact large-batch gradients for contrastive models with one chunk's activations in
+memory at a time (Gao et al., 2021), as pure, jittable functions.
+"""
+
+from gc_jax import losses
+from gc_jax._cache import cached_value_and_grad
+from gc_jax._distributed import global_loss
+from gc_jax._flax import linen_encoder, nnx_encoder
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "cached_value_and_grad",
+    "global_loss",
+    "linen_encoder",
+    "losses",
+    "nnx_encoder",
+]

@@ -1,0 +1,189 @@
+"""The gradient cache: exact large-batch gradients with one chunk's activations live.
+
+``cached_value_and_grad`` is ``jax.value_and_grad`` for a contrastive loss over
+encoded batches, computed in three steps:
+
+1. *Pass 1*: every input is encoded chunk by chunk under ``lax.map``; only the
+   representations are kept (the cache).
+2. The loss and its gradient with respect to the cached representations (and the
+   parameters the loss itself uses, e.g. a temperature).
+3. *Pass 2*: every chunk is encoded again under ``jax.vjp`` and its slice of the
+   representation gradient is pulled back to the parameters, accumulated in the
+   carry of a ``lax.scan``.
+
+The last chunk of each input is encoded under ``jax.vjp`` already in pass 1 and its
+activations stay live until pass 2, which saves one forward per input (all of them
+when one chunk holds the whole batch, which is then plain full-batch training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gc_jax import _chunking, _distributed, _validation
+
+PyTree = Any
+Encoder = Callable[[PyTree, PyTree, jax.Array | None], PyTree]
+
+
+def _wide(dtype) -> jnp.dtype:
+    """Float dtypes narrower than float32 are widened (cache, loss, accumulation)."""
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _cast(tree: PyTree, like: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+
+def _checked(encode: Encoder, name: str) -> Encoder:
+    def run(params, chunk, key):
+        reps = encode(params, chunk, key)
+        _validation.rows(reps, _validation.leading_size(chunk, "chunk"), name)
+        return reps
+
+    return run
+
+
+def _forward(encode, params, plan, body, tail, rng, index, cache_dtype):
+    """Pass 1 for one input: cached representations and the tail chunk's VJP."""
+    key = lambda c: _chunking.chunk_key(rng, index, c)
+    tail_reps, tail_vjp = jax.vjp(lambda p: encode(p, tail, key(plan.num_body)), params)
+    to_cache = lambda r: r.astype(cache_dtype or _wide(r.dtype))
+    if plan.num_body:
+        chunk_ids = jnp.arange(plan.num_body)
+        body_reps = jax.lax.map(lambda a: encode(params, a[0], key(a[1])), (body, chunk_ids))
+        reps = _chunking.merge(body_reps, tail_reps, plan)
+    else:
+        reps = tail_reps
+    return jax.tree.map(to_cache, reps), (tail_reps, tail_vjp)
+
+
+def _backward(encode, params, plan, body, rep_grad, rng, index, tail, acc):
+    """Pass 2 for one input: accumulates the parameter gradient of every chunk."""
+    tail_reps, tail_vjp = tail
+    body_grad, tail_grad = _chunking.split(rep_grad, plan)
+    add = lambda a, g: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)
+    acc = add(acc, tail_vjp(_cast(tail_grad, tail_reps))[0])
+    if not plan.num_body:
+        return acc
+
+    def step(acc, xs):
+        chunk, grad, c = xs
+        key = _chunking.chunk_key(rng, index, c)
+        _, vjp = jax.vjp(lambda p: encode(p, chunk, key), params)
+        return add(acc, vjp(_cast(grad, tail_reps))[0]), None
+
+    acc, _ = jax.lax.scan(step, acc, (body, body_grad, jnp.arange(plan.num_body)))
+    return acc
+
+
+def cached_value_and_grad(
+    loss_fn: Callable[..., Any],
+    encoders: Encoder | Sequence[Encoder],
+    chunk_size: int | Sequence[int],
+    *,
+    has_aux: bool = False,
+    axis_name: Any = None,
+    cache_dtype: Any = None,
+) -> Callable[..., Any]:
+    """Like ``jax.value_and_grad`` of a loss over encoded batches, with chunked memory.
+
+    Args:
+      loss_fn: ``loss_fn(params, *reps, **loss_kwargs)`` returning a scalar loss, or
+        ``(loss, aux)`` with ``has_aux``. ``reps[i]`` are the representations of the
+        whole ``inputs[i]`` batch. Under ``axis_name`` the loss must be the *global*
+        loss on every device, with the gradient of this device's share (the
+        ``gc_jax.losses`` do this; see ``gc_jax.global_loss`` for your own).
+      encoders: ``encode(params, chunk, key) -> reps``, one for all inputs (tied
+        weights) or one per input. ``reps`` is an array or pytree of arrays with one
+        row per row of ``chunk``.
+      chunk_size: rows encoded at once, for all inputs or one per input. Under
+        ``pmap``/``shard_map`` it counts rows per device; under ``jit`` with the batch
+        sharded over explicit mesh axes it also counts rows per device (every device
+        encodes its share of every chunk at once).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      axis_name: the data-parallel axis under ``pmap``/``shard_map``, or None.
+      cache_dtype: dtype of the cached representations and of the loss inputs;
+        default: the encoder's dtype widened to at least float32.
+
+    Returns:
+      ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``
+      (or ``((loss, aux), grads)``). ``loss_scale`` multiplies the loss gradient
+      before pass 2 and divides the result after (float16 loss scaling); the
+      returned gradients are unscaled. Chunk ``c`` of input ``i`` is encoded with key
+      ``fold_in(fold_in(rng, i), c)`` in both passes (``None`` if ``rng`` is None),
+      so dropout is replayed exactly. ``grads`` has the structure of ``params``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gc_jax
+      >>> encode = lambda w, x, key: jnp.tanh(x @ w)
+      >>> loss = lambda w, q, d: gc_jax.losses.contrastive_loss(q, d)
+      >>> f = jax.jit(gc_jax.cached_value_and_grad(loss, encode, chunk_size=3))
+      >>> w = jnp.eye(4)
+      >>> q, d = jnp.ones((8, 4)), jnp.arange(32.0).reshape(8, 4) / 32
+      >>> value, grads = f(w, q, d)
+      >>> full = jax.value_and_grad(lambda w: loss(w, encode(w, q, None), encode(w, d, None)))
+      >>> bool(jnp.allclose(value, full(w)[0])), grads.shape
+      (True, (4, 4))
+    """
+    _validation.callable_arg(loss_fn, "loss_fn")
+    if isinstance(encoders, Sequence):
+        encoders = tuple(
+            _validation.callable_arg(e, f"encoders[{i}]") for i, e in enumerate(encoders)
+        )
+        if not encoders:
+            raise ValueError("encoders is an empty sequence; expected one encoder per input.")
+    else:
+        _validation.callable_arg(encoders, "encoders")
+    _validation.chunk_sizes(chunk_size)
+
+    def value_and_grad_fn(
+        params: PyTree,
+        *inputs: PyTree,
+        rng: jax.Array | None = None,
+        loss_scale: jax.Array | float | None = None,
+        **loss_kwargs: Any,
+    ):
+        if not inputs:
+            raise ValueError("no inputs were given; expected at least one batch to encode.")
+        n = len(inputs)
+        encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
+        sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+        _validation.axis_bound(axis_name)
+        encs = [
+            _checked(e, f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder")
+            for i, e in enumerate(encs)
+        ]
+
+        pparams = _distributed.to_varying(params, axis_name)
+        plans, cuts, reps, tails = [], [], [], []
+        for i, (x, size) in enumerate(zip(inputs, sizes, strict=True)):
+            batch = _validation.leading_size(x, f"inputs[{i}]")
+            shards = 1 if axis_name is not None else _distributed.num_batch_shards(x)
+            plan = _chunking.make_plan(batch, size, shards)
+            body, tail = _chunking.split(x, plan)
+            r, t = _forward(encs[i], pparams, plan, body, tail, rng, i, cache_dtype)
+            plans.append(plan), cuts.append((body, tail)), reps.append(r), tails.append(t)
+
+        def loss_of(p, reps):
+            return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
+
+        (loss, aux), (acc, rep_grads) = jax.value_and_grad(loss_of, (0, 1), has_aux=True)(
+            pparams, tuple(reps)
+        )
+        acc = jax.tree.map(lambda g: g.astype(_wide(g.dtype)), acc)
+        if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
+            acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
+        for i, plan in enumerate(plans):
+            acc = _backward(encs[i], pparams, plan, cuts[i][0], rep_grads[i], rng, i, tails[i], acc)
+        if loss_scale is not None:
+            acc = jax.tree.map(lambda g: g / loss_scale, acc)
+        grads = _cast(_distributed.reduce_grads(acc, axis_name), params)
+        loss = _distributed.replicated_loss(loss, axis_name)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return value_and_grad_fn

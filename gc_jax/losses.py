@@ -1,0 +1,197 @@
+"""Contrastive losses for cached representations, local or across devices.
+
+With ``axis_name`` (inside ``pmap``/``shard_map``) each loss gathers the other side
+across devices, computes only this device's rows, and returns the *global* loss
+on every device with the gradient of this device's share (see
+``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gc_jax import _distributed
+
+AxisName = Any
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_pair(x: jax.Array, y: jax.Array, multiple: bool) -> int:
+    for name, v in (("x", x), ("y", y)):
+        if getattr(v, "ndim", None) != 2:
+            raise ValueError(
+                f"{name} must be a 2-D [rows, dim] array, got shape {getattr(v, 'shape', v)}."
+            )
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"x and y must have the same embedding dim, got x: {x.shape} and y: {y.shape}."
+        )
+    if multiple:
+        if y.shape[0] % x.shape[0]:
+            raise ValueError(
+                f"len(y) must be a multiple of len(x) (k rows of y per query: its positive, "
+                f"then hard negatives), got len(x)={x.shape[0]}, len(y)={y.shape[0]}."
+            )
+    elif x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y must have the same number of rows, got {x.shape} and {y.shape}.")
+    return y.shape[0] // x.shape[0]
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
+
+
+def _num_devices(axis_name: AxisName | None) -> int:
+    return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+
+def _gather(v: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    return v if axis_name is None else _distributed.all_gather(v, axis_name)
+
+
+def _offset(rows: int, axis_name: AxisName | None) -> jax.Array | int:
+    return 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
+
+
+def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> jax.Array:
+    """Reduces this device's per-row losses into the global mean or sum."""
+    if reduction == "none":
+        return per_row
+    share = jnp.sum(per_row)
+    if reduction == "mean":
+        share = share / global_rows
+    return _distributed.global_loss(share, axis_name)
+
+
+def _row_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def contrastive_loss(
+    x: jax.Array,
+    y: jax.Array,
+    *,
+    temperature: float | jax.Array = 1.0,
+    reduction: str = "mean",
+    axis_name: AxisName | None = None,
+) -> jax.Array:
+    """InfoNCE of each query row of ``x`` against every row of ``y``.
+
+    ``y`` holds ``k = len(y) // len(x)`` rows per query: its positive first, then its
+    hard negatives, so query ``i``'s target is row ``i * k`` (every other row of the
+    global ``y`` is a negative).
+
+    Args:
+      x: queries, ``[n, d]``.
+      y: documents, ``[n * k, d]``.
+      temperature: logits are ``x @ y.T / temperature``; may be a traced parameter.
+      reduction: ``"mean"`` or ``"sum"`` over the global batch, or ``"none"`` for the
+        per-query losses of this device's rows.
+      axis_name: data-parallel axis to gather ``y`` over, or None.
+
+    Returns:
+      The loss (global under ``axis_name``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gc_jax.losses import contrastive_loss
+      >>> q = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+      >>> float(contrastive_loss(q, q, temperature=0.1)) < 1e-4
+      True
+    """
+    _check_reduction(reduction)
+    k = _check_pair(x, y, multiple=True)
+    n = x.shape[0]
+    ys = _gather(y, axis_name)
+    logits = (x @ ys.T) / temperature
+    targets = (_offset(n, axis_name) + jnp.arange(n)) * k
+    return _reduce(_row_ce(logits, targets), n * _num_devices(axis_name), reduction, axis_name)
+
+
+def clip_loss(
+    x: jax.Array,
+    y: jax.Array,
+    logit_scale: float | jax.Array,
+    *,
+    reduction: str = "mean",
+    axis_name: AxisName | None = None,
+) -> jax.Array:
+    """Symmetric CLIP loss: the mean of image-to-text and text-to-image InfoNCE.
+
+    Args:
+      x: one modality, ``[n, d]`` (normalise rows yourself, as CLIP does).
+      y: the other modality, ``[n, d]``; row ``i`` pairs with ``x[i]``.
+      logit_scale: *log* of the logit multiplier (learnable in CLIP, which starts
+        at ``log(1 / 0.07)``); logits are ``exp(logit_scale) * x @ y.T``.
+      reduction: ``"mean"`` or ``"sum"`` over the global batch, or ``"none"`` for
+        the per-pair losses of this device's rows.
+      axis_name: data-parallel axis to gather over, or None.
+
+    Returns:
+      The loss (global under ``axis_name``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gc_jax.losses import clip_loss
+      >>> e = jnp.eye(3)
+      >>> bool(clip_loss(e, e, jnp.log(100.0)) < 1e-3)
+      True
+    """
+    _check_reduction(reduction)
+    _check_pair(x, y, multiple=False)
+    n = x.shape[0]
+    scale = jnp.exp(logit_scale)
+    targets = _offset(n, axis_name) + jnp.arange(n)
+    x_to_y = _row_ce(scale * (x @ _gather(y, axis_name).T), targets)
+    y_to_x = _row_ce(scale * (y @ _gather(x, axis_name).T), targets)
+    return _reduce((x_to_y + y_to_x) / 2, n * _num_devices(axis_name), reduction, axis_name)
+
+
+def sigmoid_loss(
+    x: jax.Array,
+    y: jax.Array,
+    logit_scale: float | jax.Array,
+    logit_bias: float | jax.Array,
+    *,
+    reduction: str = "mean",
+    axis_name: AxisName | None = None,
+) -> jax.Array:
+    """SigLIP's pairwise sigmoid loss.
+
+    Every pair ``(x[i], y[j])`` is a binary problem, positive iff ``i == j``, with
+    logit ``exp(logit_scale) * x[i] @ y[j] + logit_bias``. As in SigLIP, the sum over
+    pairs is divided by the number of rows (not pairs).
+
+    Args:
+      x: one modality, ``[n, d]``.
+      y: the other modality, ``[n, d]``.
+      logit_scale: log of the logit multiplier (SigLIP starts at ``log(10)``).
+      logit_bias: added to every logit (SigLIP starts at ``-10``).
+      reduction: ``"mean"`` (per row) or ``"sum"`` over the global batch, or
+        ``"none"`` for the per-row sums of this device's rows.
+      axis_name: data-parallel axis to gather ``y`` over, or None.
+
+    Returns:
+      The loss (global under ``axis_name``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gc_jax.losses import sigmoid_loss
+      >>> e = jnp.eye(3)
+      >>> bool(sigmoid_loss(e, e, jnp.log(20.0), -10.0) < 1e-3)
+      True
+    """
+    _check_reduction(reduction)
+    _check_pair(x, y, multiple=False)
+    n = x.shape[0]
+    ys = _gather(y, axis_name)
+    logits = jnp.exp(logit_scale) * (x @ ys.T) + logit_bias
+    labels = 2.0 * jax.nn.one_hot(_offset(n, axis_name) + jnp.arange(n), ys.shape[0]) - 1.0
+    per_row = -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
+    return _reduce(per_row, n * _num_devices(axis_name), reduction, axis_name)
