@@ -3,13 +3,14 @@
 ``cached_value_and_grad`` is ``jax.value_and_grad`` for a contrastive loss over
 encoded batches, computed in three steps:
 
-1. *Pass 1*: every input is encoded chunk by chunk under ``lax.map``; only the
-   representations are kept (the cache).
+1. *Pass 1*: every input is encoded chunk by chunk in a loop; only the
+   representations are kept, written in place into the cache (a ``fori_loop``
+   rather than ``lax.map``, whose stacked outputs would need a second copy).
 2. The loss and its gradient with respect to the cached representations (and the
    parameters the loss itself uses, e.g. a temperature).
 3. *Pass 2*: every chunk is encoded again under ``jax.vjp`` and its slice of the
    representation gradient is pulled back to the parameters, accumulated in the
-   carry of a ``lax.scan``.
+   carry of the loop (never stacked per chunk).
 
 The last chunk of each input is encoded under ``jax.vjp`` already in pass 1 and its
 activations stay live until pass 2, which saves one forward per input (all of them
@@ -48,37 +49,40 @@ def _checked(encode: Encoder, name: str) -> Encoder:
     return run
 
 
-def _forward(encode, params, plan, body, tail, rng, index, cache_dtype):
-    """Pass 1 for one input: cached representations and the tail chunk's VJP."""
+def _forward(encode, params, plan, x, rng, index, cache_dtype):
+    """Pass 1 for one input: the cached representations and the tail chunk's VJP."""
     key = lambda c: _chunking.chunk_key(rng, index, c)
+    tail = _chunking.take(x, plan)
     tail_reps, tail_vjp = jax.vjp(lambda p: encode(p, tail, key(plan.num_body)), params)
-    to_cache = lambda r: r.astype(cache_dtype or _wide(r.dtype))
-    if plan.num_body:
-        chunk_ids = jnp.arange(plan.num_body)
-        body_reps = jax.lax.map(lambda a: encode(params, a[0], key(a[1])), (body, chunk_ids))
-        reps = _chunking.merge(body_reps, tail_reps, plan)
-    else:
-        reps = tail_reps
-    return jax.tree.map(to_cache, reps), (tail_reps, tail_vjp)
+    cache = jax.tree.map(
+        lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), cache_dtype or _wide(r.dtype)),
+        tail_reps,
+    )
+    if plan.num_body:  # written in place: no stacked copy of the inputs or the cache
+
+        def step(c, cache):
+            reps = encode(params, _chunking.take(x, plan, c), key(c))
+            return _chunking.put(cache, reps, plan, c)
+
+        cache = jax.lax.fori_loop(0, plan.num_body, step, cache)
+    return _chunking.put(cache, tail_reps, plan), (tail_reps, tail_vjp)
 
 
-def _backward(encode, params, plan, body, rep_grad, rng, index, tail, acc):
+def _backward(encode, params, plan, x, rep_grad, rng, index, tail, acc):
     """Pass 2 for one input: accumulates the parameter gradient of every chunk."""
     tail_reps, tail_vjp = tail
-    body_grad, tail_grad = _chunking.split(rep_grad, plan)
     add = lambda a, g: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)
-    acc = add(acc, tail_vjp(_cast(tail_grad, tail_reps))[0])
+    cotangent = lambda c: _cast(_chunking.take(rep_grad, plan, c), tail_reps)
+    acc = add(acc, tail_vjp(cotangent(None))[0])
     if not plan.num_body:
         return acc
 
-    def step(acc, xs):
-        chunk, grad, c = xs
+    def step(c, acc):
         key = _chunking.chunk_key(rng, index, c)
-        _, vjp = jax.vjp(lambda p: encode(p, chunk, key), params)
-        return add(acc, vjp(_cast(grad, tail_reps))[0]), None
+        _, vjp = jax.vjp(lambda p: encode(p, _chunking.take(x, plan, c), key), params)
+        return add(acc, vjp(cotangent(c))[0])
 
-    acc, _ = jax.lax.scan(step, acc, (body, body_grad, jnp.arange(plan.num_body)))
-    return acc
+    return jax.lax.fori_loop(0, plan.num_body, step, acc)
 
 
 def cached_value_and_grad(
@@ -160,14 +164,13 @@ def cached_value_and_grad(
         ]
 
         pparams = _distributed.to_varying(params, axis_name)
-        plans, cuts, reps, tails = [], [], [], []
+        plans, reps, tails = [], [], []
         for i, (x, size) in enumerate(zip(inputs, sizes, strict=True)):
             batch = _validation.leading_size(x, f"inputs[{i}]")
             shards = 1 if axis_name is not None else _distributed.num_batch_shards(x)
             plan = _chunking.make_plan(batch, size, shards)
-            body, tail = _chunking.split(x, plan)
-            r, t = _forward(encs[i], pparams, plan, body, tail, rng, i, cache_dtype)
-            plans.append(plan), cuts.append((body, tail)), reps.append(r), tails.append(t)
+            r, t = _forward(encs[i], pparams, plan, x, rng, i, cache_dtype)
+            plans.append(plan), reps.append(r), tails.append(t)
 
         def loss_of(p, reps):
             return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
@@ -179,7 +182,7 @@ def cached_value_and_grad(
         if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
             acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
         for i, plan in enumerate(plans):
-            acc = _backward(encs[i], pparams, plan, cuts[i][0], rep_grads[i], rng, i, tails[i], acc)
+            acc = _backward(encs[i], pparams, plan, inputs[i], rep_grads[i], rng, i, tails[i], acc)
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
         grads = _cast(_distributed.reduce_grads(acc, axis_name), params)

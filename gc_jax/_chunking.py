@@ -1,15 +1,15 @@
-"""Splitting a batch pytree into chunks and putting per-chunk results back together.
+"""Cutting a batch pytree into chunks, and writing per-chunk results back in place.
 
-A batch of ``B`` rows is cut into ``num_shards`` contiguous shards (``1`` unless the
+A batch of ``B`` rows is viewed as ``num_shards`` contiguous shards (``1`` unless the
 batch is sharded across devices under plain ``jax.jit``); each shard is cut into
 chunks of ``chunk_size`` rows. Chunk ``c`` is the concatenation of every shard's
 ``c``-th piece, so under sharded ``jit`` every device works on every chunk. With one
 shard, chunk ``c`` is simply rows ``c * chunk_size : (c + 1) * chunk_size``.
 
-The chunks are returned as a *body* stacked on a new leading axis (for ``lax.map``
-and ``lax.scan``) and a *tail*: the last chunk, which is smaller when the chunk size
-does not divide the batch. The tail is kept apart so that no row is ever padded and
-so that its forward activations can stay live between the two passes.
+Chunks are read with ``dynamic_slice`` and written with ``dynamic_update_slice``
+inside loops, so neither the inputs nor the cached representations are ever copied
+into a stacked ``[num_chunks, chunk, ...]`` layout. The last chunk (the *tail*) is
+smaller when the chunk size does not divide the batch; no row is ever padded.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 PyTree = Any
 
@@ -29,7 +28,7 @@ class ChunkPlan(NamedTuple):
       batch_size: total rows ``B``.
       num_shards: contiguous shards the rows are spread over (devices, under jit).
       chunk_size: rows of each shard per chunk.
-      num_body: number of full chunks stacked in the body.
+      num_body: number of full chunks before the tail.
       tail_size: rows of each shard in the tail chunk (``1..chunk_size``).
     """
 
@@ -38,10 +37,6 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
     num_body: int
     tail_size: int
-
-    @property
-    def num_chunks(self) -> int:
-        return self.num_body + 1
 
 
 def make_plan(batch_size: int, chunk_size: int, num_shards: int = 1) -> ChunkPlan:
@@ -53,37 +48,39 @@ def make_plan(batch_size: int, chunk_size: int, num_shards: int = 1) -> ChunkPla
     return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail)
 
 
-def split(tree: PyTree, plan: ChunkPlan) -> tuple[PyTree, PyTree]:
-    """Cuts every leaf of ``tree`` into ``(body, tail)`` following ``plan``.
-
-    Body leaves have shape ``[num_body, num_shards * chunk_size, ...]``; tail leaves
-    ``[num_shards * tail_size, ...]``.
-    """
-    s, c, n = plan.num_shards, plan.chunk_size, plan.num_body
-
-    def body(x):
-        x = x.reshape(s, -1, *x.shape[1:])[:, : n * c]
-        x = jnp.swapaxes(x.reshape(s, n, c, *x.shape[2:]), 0, 1)
-        return x.reshape(n, s * c, *x.shape[3:])
-
-    def tail(x):
-        x = x.reshape(s, -1, *x.shape[1:])[:, n * c :]
-        return x.reshape(s * plan.tail_size, *x.shape[2:])
-
-    return jax.tree.map(body, tree), jax.tree.map(tail, tree)
+def _shards(x: jax.Array, plan: ChunkPlan) -> jax.Array:
+    return x.reshape(plan.num_shards, -1, *x.shape[1:])
 
 
-def merge(body: PyTree, tail: PyTree, plan: ChunkPlan) -> PyTree:
-    """Inverse of :func:`split`: puts per-chunk rows back in batch order."""
-    s, c, n = plan.num_shards, plan.chunk_size, plan.num_body
+def _span(plan: ChunkPlan, index: jax.Array | None) -> tuple[Any, int]:
+    """Start row (within each shard) and rows per shard of chunk ``index``; None: the tail."""
+    if index is None:
+        return plan.num_body * plan.chunk_size, plan.tail_size
+    return index * plan.chunk_size, plan.chunk_size
 
-    def join(b, t):
-        b = b.reshape(n, s, c, *b.shape[2:])
-        b = jnp.swapaxes(b, 0, 1).reshape(s, n * c, *b.shape[3:])
-        t = t.reshape(s, plan.tail_size, *t.shape[1:])
-        return jnp.concatenate([b, t], axis=1).reshape(plan.batch_size, *t.shape[2:])
 
-    return jax.tree.map(join, body, tail)
+def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
+    """Chunk ``index`` of every leaf (a traced body index), or the tail if None."""
+    start, size = _span(plan, index)
+
+    def one(x):
+        piece = jax.lax.dynamic_slice_in_dim(_shards(x, plan), start, size, axis=1)
+        return piece.reshape(plan.num_shards * size, *x.shape[1:])
+
+    return jax.tree.map(one, tree)
+
+
+def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
+    """Writes ``chunk`` into the rows of chunk ``index`` (or the tail) of ``buffer``."""
+    start, size = _span(plan, index)
+
+    def one(buf, piece):
+        piece = piece.reshape(plan.num_shards, size, *piece.shape[1:]).astype(buf.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(
+            _shards(buf, plan), piece, start, axis=1
+        ).reshape(buf.shape)
+
+    return jax.tree.map(one, buffer, chunk)
 
 
 def chunk_key(rng: jax.Array | None, input_index: int, chunk_index) -> jax.Array | None:

@@ -8,6 +8,7 @@ on a chunk the way the PyTorch GradCache calls a model: an array ``x`` as
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -111,10 +112,8 @@ def nnx_encoder(
         # belong to the current trace and may be updated (RNG counters).
         module = nnx.merge(graphdef, params, jax.tree.map(_identity, rest))
         if key is None:
-            try:
+            with contextlib.suppress(ValueError):  # no module has `deterministic`
                 module = nnx.view(module, deterministic=True)
-            except ValueError:  # no module with a `deterministic` attribute
-                pass
         else:
             streams = {s.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)}
             if streams:

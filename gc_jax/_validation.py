@@ -80,15 +80,34 @@ def leading_size(tree: PyTree, name: str) -> int:
     return size
 
 
+def _describe(value: Any) -> str:
+    """``value`` in a message: an array by shape and dtype, anything else by type."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r}"
+
+
 def rows(tree: PyTree, expected: int, name: str) -> None:
     """Checks that an encoder returned one row per input row."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = getattr(leaf, "shape", None)
-        if shape is None or len(shape) == 0 or shape[0] != expected:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not leaves:
+        raise ValueError(
+            f"{name} returned {_describe(tree)} with no array leaves; an encoder must "
+            "return an array (or pytree of arrays) with one representation row per input row."
+        )
+    for path, leaf in leaves:
+        where = jax.tree_util.keystr(path) or "an output"
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(
+                f"{name} returned {where} that is {_describe(leaf)}, not an array; an "
+                "encoder must return arrays with one representation row per input row."
+            )
+        shape = tuple(leaf.shape)
+        if len(shape) == 0 or shape[0] != expected:
             raise ValueError(
-                f"{name} returned {jax.tree_util.keystr(path) or 'an output'} with shape "
-                f"{shape} for a chunk of {expected} rows; an encoder must return one "
-                f"representation row per input row (leading axis {expected})."
+                f"{name} returned {where} with shape {shape} for a chunk of {expected} rows; "
+                f"an encoder must return one representation row per input row (leading "
+                f"axis {expected})."
             )
 
 
@@ -96,17 +115,27 @@ def scalar_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
     """Splits ``loss_fn``'s output into ``(loss, aux)`` and checks the loss is a scalar."""
     if has_aux:
         if not (isinstance(out, tuple | list) and len(out) == 2):
+            got = (
+                f"a {type(out).__name__} of length {len(out)}"
+                if isinstance(out, tuple | list)
+                else _describe(out)
+            )
             raise TypeError(
                 "loss_fn was declared with has_aux=True, so it must return a pair "
-                f"(loss, aux); got {type(out).__name__}."
+                f"(loss, aux); got {got}."
             )
         loss, aux = out
     else:
         loss, aux = out, None
-    shape = getattr(loss, "shape", None)
-    if shape != ():
+    if not (hasattr(loss, "shape") and hasattr(loss, "dtype")):
         hint = " (did you mean has_aux=True?)" if isinstance(out, tuple | list) else ""
-        raise ValueError(f"loss_fn must return a scalar loss, got shape {shape}{hint}.")
+        raise TypeError(f"loss_fn must return a scalar array loss, got {_describe(loss)}{hint}.")
+    if loss.shape != ():
+        hint = " (did you mean has_aux=True?)" if isinstance(out, tuple | list) else ""
+        hint = hint or " (reduce it, e.g. with .mean() or .sum())"
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}{hint}.")
+    if not jax.numpy.issubdtype(loss.dtype, jax.numpy.floating):
+        raise TypeError(f"loss_fn must return a floating-point loss, got dtype {loss.dtype}.")
     return loss, aux
 
 
@@ -122,3 +151,24 @@ def axis_bound(axis_name: Any, name: str = "axis_name") -> None:
             f"axis_name={axis_name!r}) or jax.shard_map over a mesh with that axis, or pass "
             f"{name}=None under plain jax.jit."
         ) from e
+
+
+def rng_key(rng: Any, name: str = "rng") -> None:
+    """Checks that ``rng`` is None, a typed key (``jax.random.key``) or a raw uint32 key."""
+    if rng is None:
+        return
+    dtype = getattr(rng, "dtype", None)
+    if dtype is None:
+        raise TypeError(
+            f"{name} must be a JAX random key (jax.random.key(seed)) or None, got {_describe(rng)}."
+        )
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(
+                f"{name} must be a single key, got a key array of shape {tuple(rng.shape)}."
+            )
+        return
+    if dtype != np.uint32 or rng.ndim != 1:
+        raise TypeError(
+            f"{name} must be a JAX random key (jax.random.key(seed)) or None, got {_describe(rng)}."
+        )
