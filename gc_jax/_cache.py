@@ -54,9 +54,8 @@ def _forward(encode, params, plan, x, rng, index, cache_dtype):
     key = lambda c: _chunking.chunk_key(rng, index, c)
     tail = _chunking.take(x, plan)
     tail_reps, tail_vjp = jax.vjp(lambda p: encode(p, tail, key(plan.num_body)), params)
-    cache = jax.tree.map(
-        lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), cache_dtype or _wide(r.dtype)),
-        tail_reps,
+    cache = _chunking.zeros(
+        jax.tree.map(lambda r: r.astype(cache_dtype or _wide(r.dtype)), tail_reps), plan
     )
     if plan.num_body:  # written in place: no stacked copy of the inputs or the cache
 
@@ -92,6 +91,7 @@ def cached_value_and_grad(
     *,
     has_aux: bool = False,
     axis_name: Any = None,
+    batch_axis: Any = None,
     cache_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad`` of a loss over encoded batches, with chunked memory.
@@ -106,11 +106,15 @@ def cached_value_and_grad(
         weights) or one per input. ``reps`` is an array or pytree of arrays with one
         row per row of ``chunk``.
       chunk_size: rows encoded at once, for all inputs or one per input. Under
-        ``pmap``/``shard_map`` it counts rows per device; under ``jit`` with the batch
-        sharded over explicit mesh axes it also counts rows per device (every device
-        encodes its share of every chunk at once).
+        ``pmap``/``shard_map`` it counts rows per device; under ``jit`` with a sharded
+        batch (explicit mesh axes, or ``batch_axis``) it also counts rows per device:
+        every device encodes its own ``chunk_size`` rows of every chunk at once.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       axis_name: the data-parallel axis under ``pmap``/``shard_map``, or None.
+      batch_axis: under plain ``jit`` with *auto* mesh axes, the mesh axes the batch
+        is sharded over (the mesh set with ``jax.set_mesh``), so that every device
+        encodes its rows of every chunk at once. Not needed under explicit axes,
+        where the sharding is read from the array types.
       cache_dtype: dtype of the cached representations and of the loss inputs;
         default: the encoder's dtype widened to at least float32.
 
@@ -120,7 +124,9 @@ def cached_value_and_grad(
       before pass 2 and divides the result after (float16 loss scaling); the
       returned gradients are unscaled. Chunk ``c`` of input ``i`` is encoded with key
       ``fold_in(fold_in(rng, i), c)`` in both passes (``None`` if ``rng`` is None),
-      so dropout is replayed exactly. ``grads`` has the structure of ``params``.
+      so dropout is replayed exactly; under ``axis_name`` the device index is folded
+      into ``rng`` first, so devices draw different masks. ``grads`` has the
+      structure of ``params``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gc_jax
@@ -163,12 +169,16 @@ def cached_value_and_grad(
             for i, e in enumerate(encs)
         ]
 
+        if rng is not None and axis_name is not None:  # distinct dropout on every device
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
         plans, reps, tails = [], [], []
         for i, (x, size) in enumerate(zip(inputs, sizes, strict=True)):
             batch = _validation.leading_size(x, f"inputs[{i}]")
-            shards = 1 if axis_name is not None else _distributed.num_batch_shards(x)
-            plan = _chunking.make_plan(batch, size, shards)
+            shards, sharding = (
+                (1, None) if axis_name else _distributed.batch_sharding(x, batch_axis)
+            )
+            plan = _chunking.make_plan(batch, size, shards, sharding)
             r, t = _forward(encs[i], pparams, plan, x, rng, i, cache_dtype)
             plans.append(plan), reps.append(r), tails.append(t)
 

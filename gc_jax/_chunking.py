@@ -17,6 +17,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from gc_jax import _distributed
 
 PyTree = Any
 
@@ -30,6 +33,7 @@ class ChunkPlan(NamedTuple):
       chunk_size: rows of each shard per chunk.
       num_body: number of full chunks before the tail.
       tail_size: rows of each shard in the tail chunk (``1..chunk_size``).
+      sharding: how new batch-sized arrays are sharded (explicit mesh axes), or None.
     """
 
     batch_size: int
@@ -37,15 +41,36 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
     num_body: int
     tail_size: int
+    sharding: Any = None
 
 
-def make_plan(batch_size: int, chunk_size: int, num_shards: int = 1) -> ChunkPlan:
+def make_plan(
+    batch_size: int, chunk_size: int, num_shards: int = 1, sharding: Any = None
+) -> ChunkPlan:
     """Plans the chunks of a batch (sizes are validated by the caller)."""
     rows = batch_size // num_shards
     chunk_size = min(chunk_size, rows)
     num_chunks = -(-rows // chunk_size)
     tail = rows - (num_chunks - 1) * chunk_size
-    return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail)
+    return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail, sharding)
+
+
+def zeros(like: PyTree, plan: ChunkPlan, dtype: Any = None) -> PyTree:
+    """A batch-sized buffer for chunks shaped like ``like``, sharded like the batch."""
+
+    def one(r):
+        buf = jnp.zeros((plan.batch_size, *r.shape[1:]), dtype or r.dtype)
+        vma = _distributed.varying_axes(r)
+        if vma:  # per-device under shard_map, like the chunks written into it
+            buf = jax.lax.pcast(buf, vma, to="varying")
+        if plan.sharding is None:
+            return buf
+        explicit = jax.sharding.AxisType.Explicit in plan.sharding.mesh.axis_types
+        if explicit:  # the sharding is part of the type
+            return jax.sharding.reshard(buf, plan.sharding)
+        return jax.lax.with_sharding_constraint(buf, plan.sharding)
+
+    return jax.tree.map(one, like)
 
 
 def _shards(x: jax.Array, plan: ChunkPlan) -> jax.Array:

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 PyTree = Any
 AxisName = Any
@@ -46,6 +47,15 @@ def global_loss(local_share: jax.Array, axis_name: AxisName | None) -> jax.Array
     return local_share + jax.lax.stop_gradient(total - local_share)
 
 
+def varying_axes(x: jax.Array) -> tuple:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:  # newer JAX keeps it under `manual_axis_type`
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return tuple(vma)
+
+
 def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     """Marks replicated values as per-device, so their cotangents are not all-reduced.
 
@@ -59,26 +69,41 @@ def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def cast(x):
-        vma = getattr(jax.typeof(x), "vma", frozenset())
-        missing = tuple(n for n in names if n not in vma)
+        missing = tuple(n for n in names if n not in varying_axes(x))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
 
 
-def num_batch_shards(tree: PyTree) -> int:
-    """How many devices the leading axis of ``tree``'s leaves is sharded over.
+def batch_sharding(tree: PyTree, batch_axis: AxisName | None = None) -> tuple[int, Any]:
+    """How the leading axis of ``tree`` is sharded under plain ``jit``.
 
-    Read from the array types under explicit mesh axes (``jax.make_mesh``'s default);
-    under auto axes the sharding is not part of the type and 1 is returned.
+    Under explicit mesh axes this is read from the array types. Under auto axes the
+    sharding is not in the type, so ``batch_axis`` names the mesh axes the batch is
+    sharded over, looked up in the mesh set with ``jax.set_mesh``.
+
+    Returns:
+      ``(num_shards, sharding)``: the number of shards of the leading axis, and a
+      sharding that shards a new batch-sized array the same way (None if unsharded).
     """
     leaf = jax.tree.leaves(tree)[0]
     sharding = getattr(jax.typeof(leaf), "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if not spec or spec[0] is None:
-        return 1
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    return math.prod(sharding.mesh.shape[a] for a in axes)
+    if spec and spec[0] is not None:
+        mesh, axes = sharding.mesh, spec[0]
+    elif batch_axis is not None:
+        mesh, axes = jax.sharding.get_abstract_mesh(), batch_axis
+        names = axes if isinstance(axes, tuple) else (axes,)
+        if mesh.empty or any(a not in mesh.axis_names for a in names):
+            raise ValueError(
+                f"batch_axis={batch_axis!r} must name axes of the current mesh; got mesh "
+                f"axes {() if mesh.empty else mesh.axis_names}. Call under "
+                "`with jax.set_mesh(mesh):`."
+            )
+    else:
+        return 1, None
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[a] for a in names), NamedSharding(mesh, PartitionSpec(axes))
 
 
 def reduce_grads(grads: PyTree, axis_name: AxisName | None) -> PyTree:
