@@ -1,0 +1,124 @@
+"""Checking that gradient caching is exact for *your* model.
+
+Gradient caching is exact when every row's representation depends only on that row
+(and the chunk's key). Models with cross-example state (BatchNorm in training mode,
+in-batch statistics, sequence packing across rows) are not: their chunks see
+different batches. Run :func:`assert_matches_full_batch` once on a small batch to
+find out before training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from gc_jax import _chunking, _validation
+
+PyTree = Any
+
+
+def _full_batch_reps(encode, params, x, chunk_size, rng, index):
+    """Encodes the batch in one differentiable graph; with an rng, chunk by chunk with
+    gc_jax's keys so dropout draws the same masks (without one, all rows at once)."""
+    if rng is None:
+        return encode(params, x, None)
+    batch = _validation.leading_size(x, f"inputs[{index}]")
+    parts = [
+        encode(
+            params,
+            jax.tree.map(lambda v, s=start: v[s : s + chunk_size], x),
+            _chunking.chunk_key(rng, index, c),
+        )
+        for c, start in enumerate(range(0, batch, chunk_size))
+    ]
+    return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+
+
+def full_batch_value_and_grad(
+    loss_fn: Callable[..., Any],
+    encoders: Callable | Sequence[Callable],
+    chunk_size: int | Sequence[int],
+    *,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """The plain ``jax.value_and_grad`` that ``cached_value_and_grad`` must equal.
+
+    Same arguments and returned signature as ``gc_jax.cached_value_and_grad``
+    (single device), but every representation stays in one autodiff graph, so it
+    needs the whole batch's activations in memory. ``chunk_size`` is only used to
+    hand each chunk the same dropout key as gc_jax does.
+
+    Examples:
+      >>> import jax.numpy as jnp, gc_jax
+      >>> encode = lambda w, x, key: x @ w
+      >>> loss = lambda w, q, d: gc_jax.losses.contrastive_loss(q, d)
+      >>> ref = gc_jax.testing.full_batch_value_and_grad(loss, encode, 2)
+      >>> value, grads = ref(jnp.eye(3), jnp.eye(3), jnp.eye(3))
+      >>> grads.shape
+      (3, 3)
+    """
+
+    def value_and_grad_fn(params, *inputs, rng=None, **loss_kwargs):
+        n = len(inputs)
+        encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
+        sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+
+        def total(p):
+            reps = [
+                _full_batch_reps(e, p, x, s, rng, i)
+                for i, (e, x, s) in enumerate(zip(encs, inputs, sizes, strict=True))
+            ]
+            return loss_fn(p, *reps, **loss_kwargs)
+
+        return jax.value_and_grad(total, has_aux=has_aux)(params)
+
+    return value_and_grad_fn
+
+
+def assert_matches_full_batch(
+    loss_fn: Callable[..., Any],
+    encoders: Callable | Sequence[Callable],
+    chunk_size: int | Sequence[int],
+    params: PyTree,
+    *inputs: PyTree,
+    rng: jax.Array | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **loss_kwargs: Any,
+) -> None:
+    """Asserts that gradient caching gives the full-batch loss and gradients.
+
+    Use it once on a small batch of real data with your real model: it fails for
+    models whose rows interact (e.g. BatchNorm in training mode).
+
+    Raises:
+      AssertionError: naming the loss or parameter leaves that differ.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gc_jax
+      >>> encode = lambda w, x, key: jnp.tanh(x @ w)
+      >>> batch_norm = lambda w, x, key: encode(w, x, key) - encode(w, x, key).mean(0)
+      >>> loss = lambda w, q, d: gc_jax.losses.contrastive_loss(q, d)
+      >>> x = jax.random.normal(jax.random.key(0), (8, 3))
+      >>> gc_jax.testing.assert_matches_full_batch(loss, encode, 2, jnp.eye(3), x, x)
+      >>> gc_jax.testing.assert_matches_full_batch(loss, batch_norm, 2, jnp.eye(3), x, x)
+      Traceback (most recent call last):
+      AssertionError: ...
+    """
+    from gc_jax._cache import cached_value_and_grad
+
+    args = (loss_fn, encoders, chunk_size)
+    cached = jax.jit(cached_value_and_grad(*args))(params, *inputs, rng=rng, **loss_kwargs)
+    full = jax.jit(full_batch_value_and_grad(*args))(params, *inputs, rng=rng, **loss_kwargs)
+    try:
+        chex.assert_trees_all_close(cached, full, rtol=rtol, atol=atol)
+    except AssertionError as e:
+        raise AssertionError(
+            f"gradient caching with chunk_size={chunk_size} differs from the full batch. "
+            "Does the model mix rows of a batch (BatchNorm, in-batch statistics)? "
+            f"Details: {e}"
+        ) from e
