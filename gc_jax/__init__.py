@@ -5,16 +5,24 @@ memory at a time (Gao et al., 2021), as pure, jittable functions.
 """
 
 from gc_jax import losses
+from gc_jax import testing
 from gc_jax._cache import cached_value_and_grad
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
+from gc_jax._train_step import (
+    DynamicLossScale,
+    make_train_step,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DynamicLossScale",
     "cached_value_and_grad",
     "global_loss",
     "linen_encoder",
     "losses",
+    "make_train_step",
     "nnx_encoder",
+    "testing",
 ]

@@ -1,0 +1,366 @@
+"""A complete, pure training step on top of :func:`gc_jax.cached_value_and_grad`.
+
+``make_train_step`` adds what a training loop needs around the cached gradient:
+the optimizer update (a Flax ``TrainState`` or a plain ``(params, opt_state)``
+pair with an optax optimizer), skipping of non-finite steps, float16 loss scaling
+(static or dynamic) and an opt-in check that raises on non-finite values.
+
+Why the skip is a ``jnp.where`` and not ``optax.apply_if_finite``:
+``apply_if_finite`` is an optimizer wrapper, so it only works if the user builds
+their optimizer with it (and it changes the optimizer state's layout); it looks at
+the gradients but not at the loss; and after ``max_consecutive_errors`` bad steps
+it gives up and *applies* the non-finite update. Here the whole updated state is
+selected against the old one on one ``is_finite`` flag (loss and every gradient),
+which works for any optimizer and either state form and never lets a NaN through.
+A select rather than ``lax.cond`` keeps it robust to state leaves whose types
+change on the first update (e.g. ``TrainState.step`` starts as a Python int); the
+optimizer update is elementwise and cheap next to the two encoder passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state as flax_train_state
+from jax.experimental import checkify
+
+from gc_jax import _validation
+from gc_jax._cache import cached_value_and_grad
+
+PyTree = Any
+TrainState = flax_train_state.TrainState
+
+
+class DynamicLossScale(NamedTuple):
+    """State of dynamic loss scaling: the current scale and the finite-step streak.
+
+    The policy is the usual one (PyTorch's ``GradScaler``, Flax's ``DynamicScale``):
+    a step whose loss or gradients are not finite is skipped and the scale is
+    multiplied by ``backoff_factor`` (halved, but not below ``min_scale``); after
+    ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``
+    (doubled). Only the scale and the streak are state (a pytree of two scalars);
+    the policy's constants are arguments of :meth:`update`.
+
+    Attributes:
+      scale: float32 scalar multiplying the loss gradient before the backward pass.
+      good_steps: int32 scalar, finite steps since the scale last changed.
+
+    Examples:
+      >>> from gc_jax import DynamicLossScale
+      >>> s = DynamicLossScale.create(1024.0)
+      >>> float(s.update(False).scale), float(s.update(True, growth_interval=1).scale)
+      (512.0, 2048.0)
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+
+    @classmethod
+    def create(cls, scale: float = 2.0**15) -> DynamicLossScale:
+        """The initial state: ``scale`` (default ``2**15``) and no finite steps yet."""
+        return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
+
+    def update(
+        self,
+        finite: jax.Array | bool,
+        *,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_scale: float = 1.0,
+    ) -> DynamicLossScale:
+        """The state after a step whose loss and gradients were ``finite`` (or not)."""
+        scale = jnp.asarray(self.scale, jnp.float32)
+        good = jnp.where(finite, jnp.asarray(self.good_steps, jnp.int32) + 1, 0)
+        grow = good >= growth_interval
+        grown = jnp.minimum(scale * growth_factor, jnp.finfo(jnp.float32).max)
+        backed_off = jnp.maximum(scale * backoff_factor, min_scale)
+        new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+        return DynamicLossScale(
+            new_scale.astype(jnp.float32), jnp.where(grow, 0, good).astype(jnp.int32)
+        )
+
+
+def all_finite(loss: jax.Array, grads: PyTree) -> jax.Array:
+    """True iff ``loss`` and every floating-point leaf of ``grads`` are finite."""
+    finite = jnp.all(jnp.isfinite(loss))
+    for g in jax.tree.leaves(grads):
+        if jnp.issubdtype(g.dtype, jnp.inexact):
+            finite = finite & jnp.all(jnp.isfinite(g))
+    return finite
+
+
+def _grad_leaves(grads: PyTree) -> list[tuple[str, jax.Array]]:
+    return [
+        (f"grads{jax.tree_util.keystr(path)}", g)
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+        if jnp.issubdtype(g.dtype, jnp.inexact)
+    ]
+
+
+def _nonfinite_message(loss: Any, grads_checked: Any, named_counts: list) -> str:
+    """The message of the finite check, from concrete values (host side)."""
+    parts = []
+    if not np.all(np.isfinite(loss)):
+        parts.append(f"the loss is {loss}")
+    if bool(grads_checked):
+        bad = [(n, c, size) for n, c, size in named_counts if c]
+        if bad:
+            listing = ", ".join(f"{n} ({c} of {size} entries)" for n, c, size in bad)
+            parts.append(f"non-finite gradients in {listing}")
+    if parts and not any(p.startswith("the loss") for p in parts):
+        parts.insert(0, f"the loss is finite ({loss}) but")
+    return "gc_jax train step produced non-finite values: " + "; ".join(parts) + "."
+
+
+def _check_finite(mode, loss, grads, grads_checked) -> None:
+    """Emits the opt-in finite check (``mode`` is ``"debug"`` or ``"checkify"``)."""
+    leaves = _grad_leaves(grads)
+    counts = [jnp.sum(~jnp.isfinite(g)) for _, g in leaves]
+    if mode == "checkify":
+        listing = ", ".join(n.replace("{", "{{").replace("}", "}}") + ": {}" for n, _ in leaves)
+        ok = jnp.all(jnp.isfinite(loss)) & ~(grads_checked & (sum(counts, 0) > 0))
+        checkify.check(
+            ok,
+            "gc_jax train step produced non-finite values: loss = {}; gradients checked: {}; "
+            "non-finite entries per gradient: " + listing,
+            loss,
+            grads_checked,
+            *counts,
+        )
+        return
+    names = [n for n, _ in leaves]
+    sizes = [g.size for _, g in leaves]
+
+    def raise_if_bad(loss, grads_checked, *counts):
+        named = list(zip(names, (int(c) for c in counts), sizes, strict=True))
+        loss_bad = not np.all(np.isfinite(loss))
+        if loss_bad or (bool(grads_checked) and any(c for _, c, _ in named)):
+            raise FloatingPointError(_nonfinite_message(loss, grads_checked, named))
+
+    jax.debug.callback(raise_if_bad, loss, grads_checked, *counts)
+
+
+def _check_loss_scale(loss_scale: Any) -> Any:
+    if loss_scale is None:
+        return None
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(
+                f"loss_scale must be None, a positive number or 'dynamic', got {loss_scale!r}."
+            )
+        return loss_scale
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float | np.number):
+        raise TypeError(
+            "loss_scale must be None, a positive number (a static scale) or 'dynamic', "
+            f"got {loss_scale!r} ({type(loss_scale).__name__})."
+        )
+    if not np.isfinite(loss_scale) or loss_scale <= 0:
+        raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale}.")
+    return float(loss_scale)
+
+
+def _state_error(expected: str, state: Any) -> TypeError:
+    return TypeError(f"train_step expected state to be {expected}; got {type(state).__name__}.")
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    encoders: Callable | Sequence[Callable],
+    chunk_size: int | Sequence[int],
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    has_aux: bool = False,
+    axis_name: Any = None,
+    skip_nonfinite: bool = True,
+    loss_scale: float | str | None = None,
+    growth_interval: int = 2000,
+    check_finite: bool | str = False,
+    cache_dtype: Any = None,
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    """A pure training step with cached (chunked) gradients.
+
+    The gradient is ``gc_jax.cached_value_and_grad(loss_fn, encoders, chunk_size)``
+    (see there for ``loss_fn``, ``encoders``, ``chunk_size``, ``has_aux``,
+    ``axis_name`` and ``cache_dtype``); this adds the optimizer update and the
+    bookkeeping around it.
+
+    Args:
+      loss_fn: ``loss_fn(params, *reps, **loss_kwargs)``, a scalar (or
+        ``(loss, aux)`` with ``has_aux``).
+      encoders: ``encode(params, chunk, key) -> reps``, one for all inputs or one
+        per input.
+      chunk_size: rows encoded at once, for all inputs or one per input.
+      optimizer: None to train a ``flax.training.train_state.TrainState`` (its
+        ``tx`` is used, through ``apply_gradients``); or an optax
+        ``GradientTransformation`` to train a plain ``(params, opt_state)`` tuple.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is returned in
+        ``metrics["aux"]``.
+      axis_name: the data-parallel axis under ``pmap``/``shard_map``, or None. The
+        gradients are summed over it, so every device applies the same update.
+      skip_nonfinite: if the loss or any gradient is not finite, return the state
+        unchanged (params, optimizer state and ``TrainState.step``) instead of
+        applying the update. ``metrics["is_finite"]`` says which happened.
+      loss_scale: None; a positive number, a static loss scale; or ``"dynamic"``,
+        dynamic loss scaling (for float16 encoders): the state then carries a
+        :class:`DynamicLossScale` (see Returns), halved on every non-finite step
+        and doubled after ``growth_interval`` finite ones. The gradients the
+        optimizer sees are always unscaled. Requires ``skip_nonfinite``.
+      growth_interval: finite steps before a dynamic loss scale is doubled.
+      check_finite: opt-in check that raises when the loss or a gradient is not
+        finite, naming which: ``True`` (or ``"debug"``) raises a
+        ``FloatingPointError`` from a ``jax.debug.callback`` (under ``jit`` it
+        reaches you wrapped in a ``JaxRuntimeError`` with the same message);
+        ``"checkify"`` adds a ``jax.experimental.checkify`` check instead, so the
+        step must be wrapped in ``checkify.checkify`` (then ``err.throw()``). With
+        dynamic loss scaling, overflowing gradients are expected and handled by
+        backing off, so they raise only once the scale is down to its minimum (1);
+        a non-finite loss always raises.
+      cache_dtype: dtype of the cached representations (default: the encoder's,
+        widened to at least float32).
+
+    Returns:
+      ``train_step(state, *inputs, rng=None, **loss_kwargs) -> (state, metrics)``,
+      pure and jittable (``jax.jit(train_step, donate_argnums=0)``). ``state`` is:
+
+      - ``optimizer=None``: a ``TrainState``; with ``loss_scale="dynamic"``, a
+        pair ``(train_state, DynamicLossScale)``, or a ``TrainState`` subclass with
+        a ``loss_scale: DynamicLossScale`` field;
+      - ``optimizer`` given: ``(params, opt_state)``; with ``loss_scale="dynamic"``,
+        ``(params, opt_state, DynamicLossScale)``.
+
+      ``rng`` feeds the encoders' dropout (chunk ``c`` of input ``i`` gets
+      ``fold_in(fold_in(rng, i), c)``). ``metrics`` holds ``"loss"``,
+      ``"grad_norm"`` (the global L2 norm of the unscaled gradients, ``optax.tree.norm``),
+      ``"is_finite"``, ``"aux"`` with ``has_aux`` and ``"loss_scale"`` (the scale
+      this step used) when ``loss_scale`` is set.
+
+    Examples:
+      Two steps of a ``TrainState`` with a chunk size of 2 rows:
+
+      >>> import jax, jax.numpy as jnp, optax, gc_jax
+      >>> from flax.training.train_state import TrainState
+      >>> encode = lambda p, x, key: jnp.tanh(x @ p["w"])
+      >>> loss = lambda p, q, d: gc_jax.losses.contrastive_loss(q, d)
+      >>> params = {"w": jnp.eye(4)}
+      >>> state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+      >>> step = jax.jit(gc_jax.make_train_step(loss, encode, chunk_size=2))
+      >>> q, d = jnp.eye(8, 4), jnp.eye(8, 4)[::-1]
+      >>> for _ in range(2):
+      ...     state, metrics = step(state, q, d)
+      >>> int(state.step), bool(metrics["is_finite"]), sorted(metrics)
+      (2, True, ['grad_norm', 'is_finite', 'loss'])
+
+      A plain ``(params, opt_state)`` pair, with dynamic loss scaling:
+
+      >>> opt = optax.adamw(1e-3)
+      >>> state = (params, opt.init(params), gc_jax.DynamicLossScale.create())
+      >>> step = gc_jax.make_train_step(loss, encode, 2, optimizer=opt, loss_scale="dynamic")
+      >>> (params, opt_state, scale), metrics = jax.jit(step)(state, q, d)
+      >>> float(metrics["loss_scale"]), int(scale.good_steps)
+      (32768.0, 1)
+    """
+    if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            "optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)) "
+            f"or None to train a flax TrainState; got {type(optimizer).__name__}."
+        )
+    loss_scale = _check_loss_scale(loss_scale)
+    dynamic = loss_scale == "dynamic"
+    if dynamic and not skip_nonfinite:
+        raise ValueError(
+            "loss_scale='dynamic' needs skip_nonfinite=True: an overflowing step must be "
+            "skipped (and the scale backed off), not applied."
+        )
+    growth_interval = _validation.positive_int(growth_interval, "growth_interval")
+    if not (isinstance(check_finite, bool) or check_finite in ("debug", "checkify")):
+        raise ValueError(
+            f"check_finite must be False, True, 'debug' or 'checkify', got {check_finite!r}."
+        )
+    check_mode = "debug" if check_finite is True else check_finite
+    grad_fn = cached_value_and_grad(
+        loss_fn,
+        encoders,
+        chunk_size,
+        has_aux=has_aux,
+        axis_name=axis_name,
+        cache_dtype=cache_dtype,
+    )
+
+    def split_state(state):
+        """``(trained part, params, opt_state, DynamicLossScale or None)``."""
+        if optimizer is None:
+            scale = None
+            if dynamic and isinstance(state, tuple):
+                if len(state) != 2 or not isinstance(state[0], TrainState):
+                    raise _state_error("a pair (TrainState, DynamicLossScale)", state)
+                state, scale = state
+            elif dynamic and isinstance(state, TrainState):
+                scale = getattr(state, "loss_scale", None)
+            if not isinstance(state, TrainState):
+                what = "a flax.training.train_state.TrainState (optimizer=None)"
+                if isinstance(state, tuple):
+                    what += "; to train a (params, opt_state) tuple pass optimizer="
+                raise _state_error(what, state)
+            if dynamic and not isinstance(scale, DynamicLossScale):
+                raise TypeError(
+                    "loss_scale='dynamic' needs the scale in the state: pass "
+                    "(train_state, gc_jax.DynamicLossScale.create()) or a TrainState "
+                    "subclass with a `loss_scale: DynamicLossScale` field."
+                )
+            return state, state.params, state.opt_state, scale
+        if isinstance(state, TrainState):
+            raise TypeError(
+                "train_step got a TrainState but optimizer= was given: a TrainState "
+                "carries its own tx, so pass optimizer=None (or pass (params, opt_state))."
+            )
+        n = 3 if dynamic else 2
+        if not isinstance(state, tuple | list) or len(state) != n:
+            what = "(params, opt_state, DynamicLossScale)" if dynamic else "(params, opt_state)"
+            raise _state_error(f"a tuple {what} (optimizer= was given)", state)
+        if dynamic and not isinstance(state[2], DynamicLossScale):
+            raise TypeError(
+                "with loss_scale='dynamic' the third element of the state must be a "
+                f"gc_jax.DynamicLossScale, got {type(state[2]).__name__}."
+            )
+        return tuple(state[:2]), state[0], state[1], state[2] if dynamic else None
+
+    def train_step(state, *inputs, rng=None, **loss_kwargs):
+        trained, params, opt_state, scale_state = split_state(state)
+        _validation.rng_key(rng)
+        scale = scale_state.scale if dynamic else loss_scale
+        out, grads = grad_fn(params, *inputs, rng=rng, loss_scale=scale, **loss_kwargs)
+        loss, aux = out if has_aux else (out, None)
+        finite = all_finite(loss, grads)
+        if check_mode:
+            grads_checked = scale_state.scale <= 1.0 if dynamic else jnp.array(True)
+            _check_finite(check_mode, loss, grads, grads_checked)
+
+        if optimizer is None:
+            new = trained.apply_gradients(grads=grads)
+        else:
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new = (optax.apply_updates(params, updates), new_opt_state)
+        if skip_nonfinite:
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, trained)
+
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "is_finite": finite}
+        if has_aux:
+            metrics["aux"] = aux
+        if loss_scale is not None:
+            metrics["loss_scale"] = jnp.asarray(scale, jnp.float32)
+        if not dynamic:
+            return new, metrics
+        new_scale = scale_state.update(finite, growth_interval=growth_interval)
+        if optimizer is not None:
+            return (*new, new_scale), metrics
+        if isinstance(state, tuple):
+            return (new, new_scale), metrics
+        return new.replace(loss_scale=new_scale), metrics
+
+    return train_step

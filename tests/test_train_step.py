@@ -1,0 +1,352 @@
+"""make_train_step against plain full-batch training with jax.value_and_grad."""
+
+import functools
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import struct
+from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gc_jax
+from gc_jax.losses import contrastive_loss
+
+D_IN, D_HID, D_OUT = 6, 16, 8
+STEPS = 5
+
+
+def init_params(seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "w1": jax.random.normal(k1, (D_IN, D_HID)) / 2,
+        "w2": jax.random.normal(k2, (D_HID, D_OUT)) / 4,
+        "doc": jax.random.normal(k3, (D_IN, D_OUT)) / 2,
+        "log_temp": jnp.array(-0.5),
+    }
+
+
+def query_tower(p, x, key):
+    h = jnp.tanh(x @ p["w1"])
+    if key is not None:
+        h = h * jax.random.bernoulli(key, 0.8, h.shape) / 0.8
+    return h @ p["w2"]
+
+
+def doc_tower(p, x, key):
+    return jnp.tanh(x @ p["doc"])
+
+
+ENCODERS = (query_tower, doc_tower)
+
+
+def infonce(p, q, d):
+    return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]))
+
+
+def infonce_aux(p, q, d):
+    scores = q @ d.T
+    accuracy = jnp.mean(jnp.argmax(scores, axis=1) == jnp.arange(q.shape[0]))
+    return infonce(p, q, d), {"accuracy": accuracy, "q_norm": jnp.linalg.norm(q)}
+
+
+def batches(steps=STEPS, rows=12, seed=1):
+    out = []
+    for key in jax.random.split(jax.random.key(seed), steps):
+        kq, kd = jax.random.split(key)
+        out.append((jax.random.normal(kq, (rows, D_IN)), jax.random.normal(kd, (rows, D_IN))))
+    return out
+
+
+@functools.cache
+def full_batch_grad(loss_fn=infonce, has_aux=False):
+    def total(p, q, d):
+        return loss_fn(p, query_tower(p, q, None), doc_tower(p, d, None))
+
+    return jax.jit(jax.value_and_grad(total, has_aux=has_aux))
+
+
+TXS = {
+    "adamw": optax.adamw(3e-2, weight_decay=1e-2),
+    "adamw_small": optax.adamw(1e-2),
+    "sgd": optax.sgd(0.1),
+}
+
+
+@functools.cache
+def reference_step(tx_name):
+    tx = TXS[tx_name]
+
+    @jax.jit
+    def step(params, opt_state, q, d):
+        loss, grads = full_batch_grad()(params, q, d)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def reference_training(tx_name, data):
+    """Plain full-batch optax training: the params after the last step, and the losses."""
+    params = init_params()
+    opt_state = TXS[tx_name].init(params)
+    losses = []
+    for q, d in data:
+        params, opt_state, loss = reference_step(tx_name)(params, opt_state, q, d)
+        losses.append(loss)
+    return params, jnp.stack(losses)
+
+
+@pytest.mark.parametrize("form", ["train_state", "tuple"])
+@pytest.mark.parametrize("chunk_size", [5, (4, 3), 12])
+def test_adamw_loop_matches_full_batch(form, chunk_size):
+    tx = TXS["adamw"]
+    data = batches()
+    want_params, want_losses = reference_training("adamw", data)
+
+    if form == "train_state":
+        state = TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+        step = gc_jax.make_train_step(infonce, ENCODERS, chunk_size)
+    else:
+        state = (init_params(), tx.init(init_params()))
+        step = gc_jax.make_train_step(infonce, ENCODERS, chunk_size, optimizer=tx)
+    step = jax.jit(step)
+    losses = []
+    for q, d in data:
+        state, metrics = step(state, q, d)
+        assert bool(metrics["is_finite"])
+        losses.append(metrics["loss"])
+    params = state.params if form == "train_state" else state[0]
+    if form == "train_state":
+        assert int(state.step) == STEPS
+    chex.assert_trees_all_close(jnp.stack(losses), want_losses, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(params, want_params, rtol=1e-4, atol=1e-5)
+
+
+def test_metrics_match_full_batch():
+    tx = optax.sgd(0.1)
+    q, d = batches(1)[0]
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx))
+    (params, _), metrics = step((init_params(), tx.init(init_params())), q, d)
+    loss, grads = full_batch_grad()(init_params(), q, d)
+    assert set(metrics) == {"loss", "grad_norm", "is_finite"}
+    chex.assert_trees_all_close(metrics["loss"], loss, rtol=1e-6)
+    chex.assert_trees_all_close(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+    chex.assert_trees_all_close(
+        params, jax.tree.map(lambda p, g: p - 0.1 * g, init_params(), grads), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("form", ["train_state", "tuple"])
+def test_jit_with_donated_state(form):
+    tx = optax.adamw(1e-2)
+    data = batches(3)
+
+    def fresh():
+        if form == "train_state":
+            return TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+        return (init_params(), tx.init(init_params()))
+
+    optimizer = None if form == "train_state" else tx
+    make = lambda: gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=optimizer)
+    donated, plain = jax.jit(make(), donate_argnums=0), jax.jit(make())
+    s1, s2 = fresh(), fresh()
+    with warnings.catch_warnings():  # a backend without donation support only warns
+        warnings.filterwarnings("ignore", message=".*donated.*")
+        for q, d in data:
+            s1, m1 = donated(s1, q, d)
+            s2, m2 = plain(s2, q, d)
+    chex.assert_trees_all_equal(s1, s2)
+    chex.assert_trees_all_equal(m1, m2)
+
+
+@pytest.mark.parametrize("chunk_size", [2, 12])
+def test_aux_metrics(chunk_size):
+    tx = optax.sgd(0.1)
+    q, d = batches(1)[0]
+    state = TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+    step = gc_jax.make_train_step(infonce_aux, ENCODERS, chunk_size, has_aux=True)
+    _, metrics = jax.jit(step)(state, q, d)
+    (loss, aux), _ = full_batch_grad(infonce_aux, has_aux=True)(init_params(), q, d)
+    assert set(metrics) == {"loss", "grad_norm", "is_finite", "aux"}
+    chex.assert_trees_all_close(metrics["loss"], loss, rtol=1e-6)
+    chex.assert_trees_all_close(metrics["aux"], aux, rtol=1e-5)
+
+
+def test_dropout_rng_and_loss_kwargs():
+    """rng reaches the encoders with gc_jax's per-chunk keys; loss kwargs reach the loss."""
+    tx = optax.sgd(0.1)
+    q, d = batches(1)[0]
+    rng = jax.random.key(7)
+    loss = lambda p, q, d, scale: contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]) * scale)
+    step = jax.jit(gc_jax.make_train_step(loss, ENCODERS, 5, optimizer=tx))
+    (params, _), metrics = step((init_params(), tx.init(init_params())), q, d, rng=rng, scale=2.0)
+
+    def total(p):
+        chunks = [(0, 5), (5, 10), (10, 12)]
+        keys = [
+            jax.random.fold_in(jax.random.fold_in(rng, i), c) for i in (0, 1) for c in (0, 1, 2)
+        ]
+        qr = jnp.concatenate([query_tower(p, q[a:b], keys[c]) for c, (a, b) in enumerate(chunks)])
+        dr = jnp.concatenate([doc_tower(p, d[a:b], keys[3 + c]) for c, (a, b) in enumerate(chunks)])
+        return loss(p, qr, dr, 2.0)
+
+    want_loss, grads = jax.jit(jax.value_and_grad(total))(init_params())
+    chex.assert_trees_all_close(metrics["loss"], want_loss, rtol=1e-6)
+    chex.assert_trees_all_close(
+        params, jax.tree.map(lambda p, g: p - 0.1 * g, init_params(), grads), rtol=1e-5, atol=1e-6
+    )
+
+
+# --- float16 and loss scaling -------------------------------------------------------
+
+
+def query_tower_f16(p, x, key):
+    h = jnp.tanh(x.astype(jnp.float16) @ p["w1"].astype(jnp.float16))
+    return h @ p["w2"].astype(jnp.float16)
+
+
+def doc_tower_f16(p, x, key):
+    return jnp.tanh(x.astype(jnp.float16) @ p["doc"].astype(jnp.float16))
+
+
+def test_float16_dynamic_loss_scale_matches_float32():
+    tx = TXS["adamw_small"]
+    data = batches(rows=16)
+    want_params, want_losses = reference_training("adamw_small", data)
+    step = gc_jax.make_train_step(
+        infonce, (query_tower_f16, doc_tower_f16), 4, optimizer=tx, loss_scale="dynamic"
+    )
+    step = jax.jit(step, donate_argnums=0)
+    state = (init_params(), tx.init(init_params()), gc_jax.DynamicLossScale.create())
+    losses = []
+    for q, d in data:
+        state, metrics = step(state, q, d)
+        assert bool(metrics["is_finite"]), metrics
+        assert metrics["loss_scale"].dtype == jnp.float32
+        losses.append(metrics["loss"])
+    params, _, scale = state
+    assert float(scale.scale) == 2.0**15 and int(scale.good_steps) == STEPS
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
+    chex.assert_trees_all_close(jnp.stack(losses), want_losses, rtol=1e-2, atol=1e-2)
+    chex.assert_trees_all_close(params, want_params, atol=2e-2)
+
+
+class ScaledTrainState(TrainState):
+    loss_scale: gc_jax.DynamicLossScale = struct.field(default=None)
+
+
+@pytest.mark.parametrize("form", ["tuple", "pair", "subclass"])
+def test_overflow_step_is_skipped_and_scale_halves(form):
+    tx = optax.adam(1e-2)
+    q, d = batches(1, rows=16)[0]
+    encoders = (query_tower_f16, doc_tower_f16)
+    huge = gc_jax.DynamicLossScale(jnp.float32(2.0**40), jnp.int32(3))
+    params = init_params()
+    if form == "tuple":
+        state = (params, tx.init(params), huge)
+        step = gc_jax.make_train_step(infonce, encoders, 4, optimizer=tx, loss_scale="dynamic")
+    else:
+        ts = ScaledTrainState.create(apply_fn=None, params=params, tx=tx, loss_scale=huge)
+        state = (ts, huge) if form == "pair" else ts
+        step = gc_jax.make_train_step(infonce, encoders, 4, loss_scale="dynamic")
+    step = jax.jit(step)
+
+    new, metrics = step(state, q, d)
+    assert not bool(metrics["is_finite"])
+    assert np.isfinite(float(metrics["loss"]))  # the float32 loss is fine; the backward overflowed
+    assert float(metrics["loss_scale"]) == 2.0**40
+    if form == "tuple":
+        trained, new_scale, old_trained = new[:2], new[2], state[:2]
+    elif form == "pair":
+        trained, new_scale, old_trained = new[0], new[1], state[0]
+    else:
+        trained, new_scale = new.replace(loss_scale=None), new.loss_scale
+        old_trained = state.replace(loss_scale=None)
+    chex.assert_trees_all_equal(trained, old_trained)  # params, opt state and step unchanged
+    assert float(new_scale.scale) == 2.0**39 and int(new_scale.good_steps) == 0
+
+    # Backing off until the float16 backward fits, then training resumes.
+    for _ in range(40):
+        new, metrics = step(new, q, d)
+        if bool(metrics["is_finite"]):
+            break
+    assert bool(metrics["is_finite"]) and float(metrics["loss_scale"]) < 2.0**20
+
+
+def test_dynamic_scale_grows_after_interval():
+    tx = optax.sgd(1e-2)
+    q, d = batches(1)[0]
+    step = gc_jax.make_train_step(
+        infonce, ENCODERS, 4, optimizer=tx, loss_scale="dynamic", growth_interval=2
+    )
+    step = jax.jit(step)
+    state = (init_params(), tx.init(init_params()), gc_jax.DynamicLossScale.create(8.0))
+    scales = []
+    for _ in range(5):
+        state, metrics = step(state, q, d)
+        scales.append(float(metrics["loss_scale"]))
+    assert scales == [8.0, 8.0, 16.0, 16.0, 32.0]
+    assert int(state[2].good_steps) == 1
+
+
+def test_dynamic_loss_scale_policy():
+    s = gc_jax.DynamicLossScale.create(4.0)
+    assert float(s.update(False).scale) == 2.0
+    assert float(gc_jax.DynamicLossScale.create(1.0).update(False).scale) == 1.0  # floor
+    s = s.update(True, growth_interval=3).update(True, growth_interval=3)
+    assert (float(s.scale), int(s.good_steps)) == (4.0, 2)
+    s = s.update(True, growth_interval=3)
+    assert (float(s.scale), int(s.good_steps)) == (8.0, 0)
+    s = s.update(True, growth_interval=3).update(False, growth_interval=3)
+    assert (float(s.scale), int(s.good_steps)) == (4.0, 0)
+    big = gc_jax.DynamicLossScale.create(float(jnp.finfo(jnp.float32).max))
+    assert np.isfinite(float(big.update(True, growth_interval=1).scale))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1024.0])
+def test_static_loss_scale_returns_unscaled_gradients(scale):
+    tx = optax.sgd(0.1)
+    q, d = batches(1)[0]
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx, loss_scale=scale))
+    (params, _), metrics = step((init_params(), tx.init(init_params())), q, d)
+    _, grads = full_batch_grad()(init_params(), q, d)
+    assert float(metrics["loss_scale"]) == scale
+    chex.assert_trees_all_close(
+        params, jax.tree.map(lambda p, g: p - 0.1 * g, init_params(), grads), rtol=1e-5, atol=1e-6
+    )
+
+
+# --- data parallel ---------------------------------------------------------------------
+
+
+def test_shard_map_data_parallel_matches_full_batch():
+    assert jax.device_count() >= 8, (
+        "this test needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = TXS["adamw_small"]
+    data = batches(3, rows=32)
+    want_params, want_losses = reference_training("adamw_small", data)
+
+    def loss(p, q, d):
+        return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]), axis_name="data")
+
+    step = gc_jax.make_train_step(loss, ENCODERS, 3, optimizer=tx, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()))
+    )
+    state = (init_params(), tx.init(init_params()))
+    losses = []
+    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    for q, d in data:
+        state, metrics = step(state, shard(q), shard(d))
+        assert bool(metrics["is_finite"])
+        losses.append(metrics["loss"])
+    chex.assert_trees_all_close(jnp.stack(losses), want_losses, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state[0], want_params, rtol=1e-4, atol=1e-5)
