@@ -4,11 +4,13 @@ Exact large-batch gradients for contrastive models with one chunk's activations 
 memory at a time (Gao et al., 2021), as pure, jittable functions.
 """
 
+from gc_jax import functional
 from gc_jax import losses
 from gc_jax import testing
 from gc_jax._cache import cached_value_and_grad
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
+from gc_jax._grad_cache import GradCache
 from gc_jax._train_step import (
     DynamicLossScale,
     make_train_step,
@@ -18,7 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "GradCache",
     "cached_value_and_grad",
+    "functional",
     "global_loss",
     "linen_encoder",
     "losses",

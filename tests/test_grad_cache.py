@@ -1,0 +1,291 @@
+"""GradCache (the class API for NNX modules) against plain full-batch jax.value_and_grad."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gc_jax
+from gc_jax.losses import contrastive_loss
+
+B, DIN, DOUT = 8, 5, 4
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+class Tower(nnx.Module):
+    def __init__(self, seed: int, rate: float = 0.0):
+        rngs = nnx.Rngs(seed, dropout=seed + 100)
+        self.hidden = nnx.Linear(DIN, 16, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.out = nnx.Linear(16, DOUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jnp.tanh(self.hidden(x))))
+
+
+class DictTower(nnx.Module):
+    """Takes keyword inputs and returns a dict, like a Hugging Face model."""
+
+    def __init__(self, seed: int):
+        self.embed = nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(seed))
+
+    def __call__(self, features, mask):
+        hidden = jnp.tanh(self.embed(features)) * mask[:, None]
+        return {
+            "pooled": hidden / (1.0 + jnp.sum(hidden**2, axis=1, keepdims=True)),
+            "hidden": hidden,
+        }
+
+
+def full_value_and_grad(fn, *args, **kwargs):
+    """The reference: plain jax.value_and_grad over the whole batch (jitted for speed)."""
+    return jax.jit(jax.value_and_grad(fn, *args, **kwargs))
+
+
+def batch(seed: int, rows: int = B):
+    return jax.random.normal(jax.random.key(seed), (rows, DIN))
+
+
+def params_of(model):
+    return nnx.state(model, nnx.Param)
+
+
+def apply(model, params, x):
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.merge(graphdef, params, rest)(x)
+
+
+@pytest.mark.parametrize("chunk_sizes", [1, 3, 4, 8, 100, [3, 5]])
+def test_two_models(chunk_sizes):
+    mq, md = Tower(0), Tower(1)
+    q, d = batch(1), batch(2)
+    loss, (gq, gd) = gc_jax.GradCache([mq, md], chunk_sizes, contrastive_loss)(q, d)
+    ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q), apply(md, pd, d))
+    ref_loss, ref_grads = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
+    chex.assert_trees_all_close((loss, (gq, gd)), (ref_loss, ref_grads), **TOL)
+    assert jax.tree.structure(gq) == jax.tree.structure(params_of(mq))
+
+
+@pytest.mark.parametrize("chunk_sizes", [2, 3])
+def test_single_model_and_tied_models(chunk_sizes):
+    m = Tower(0)
+    x, q, d = batch(1), batch(2), batch(3)
+    single = lambda r: jnp.mean(jnp.sum(r**2, axis=1))
+    loss, grads = gc_jax.GradCache(m, chunk_sizes, single)(x)
+    ref_loss, ref_grads = full_value_and_grad(lambda p: single(apply(m, p, x)))(params_of(m))
+    chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), **TOL)
+
+    # The same object twice: one summed gradient, as the original's hooks give.
+    loss, grads = gc_jax.GradCache([m, m], chunk_sizes, contrastive_loss)(q, d)
+    ref = lambda p: contrastive_loss(apply(m, p, q), apply(m, p, d))
+    chex.assert_trees_all_close((loss, grads), full_value_and_grad(ref)(params_of(m)), **TOL)
+    assert isinstance(grads, nnx.State)
+
+
+def test_tied_among_three_inputs():
+    a, b = Tower(0), Tower(1)
+    x, y, z = batch(1), batch(2), batch(3)
+    loss_fn = lambda rx, ry, rz: contrastive_loss(rx, ry) + contrastive_loss(rz, ry)
+    loss, grads = gc_jax.GradCache([a, b, a], 3, loss_fn)(x, y, z)
+    ref = lambda pa, pb: loss_fn(apply(a, pa, x), apply(b, pb, y), apply(a, pa, z))
+    ref_out = full_value_and_grad(ref, (0, 1))(params_of(a), params_of(b))
+    chex.assert_trees_all_close((loss, grads), ref_out, **TOL)
+
+
+def test_dict_inputs_get_rep_fn_and_loss_kwargs():
+    mq, md = DictTower(0), DictTower(1)
+    mask = (jnp.arange(B) % 3 != 0).astype(jnp.float32)
+    q = {"features": batch(1), "mask": mask}
+    d = {"features": batch(2), "mask": jnp.ones(B)}
+    temperature = jnp.float32(0.3)
+    gc = gc_jax.GradCache([mq, md], [3, 5], contrastive_loss, get_rep_fn=lambda o: o["pooled"])
+    loss, grads = gc(q, d, temperature=temperature, reduction="sum")
+
+    def ref(pq, pd):
+        rq = apply_kw(mq, pq, q)["pooled"]
+        return contrastive_loss(rq, apply_kw(md, pd, d)["pooled"], temperature=0.3, reduction="sum")
+
+    def apply_kw(model, params, kw):
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        return nnx.merge(graphdef, params, rest)(**kw)
+
+    ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
+    chex.assert_trees_all_close((loss, grads), ref_out, **TOL)
+
+
+def test_list_inputs_are_positional_and_has_aux():
+    class Pair(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(DIN, DOUT, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, scale):
+            return self.a(x) * scale[:, None]
+
+    m = Pair()
+    x, scale = batch(1), jnp.linspace(0.5, 1.5, B)
+    loss_fn = lambda r: (jnp.sum(r**2), {"norm": jnp.linalg.norm(r)})
+    (loss, aux), grads = gc_jax.GradCache(m, 3, loss_fn, has_aux=True)([x, scale])
+    ref = lambda p: loss_fn(nnx.merge(nnx.graphdef(m), p)(x, scale))
+    (ref_loss, ref_aux), ref_grads = full_value_and_grad(ref, has_aux=True)(params_of(m))
+    chex.assert_trees_all_close((loss, aux, grads), (ref_loss, ref_aux, ref_grads), **TOL)
+
+
+def test_split_input_fn_is_honoured():
+    mq, md = Tower(0), Tower(1)
+    q, d = batch(1), batch(2)
+    calls = []
+
+    def split(x, chunk_size):  # uneven chunks, and the batch reversed
+        calls.append(chunk_size)
+        x = x[::-1]
+        return [x[:1], x[1:4], x[4:]]
+
+    gc = gc_jax.GradCache([mq, md], [2, 3], contrastive_loss, split_input_fn=split)
+    out = gc(q, d)
+    assert calls == [2, 3]
+    ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q[::-1]), apply(md, pd, d[::-1]))
+    ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
+    chex.assert_trees_all_close(out, ref_out, **TOL)
+
+
+def reference_with_chunk_keys(models, inputs, chunk_size, rng, loss_fn):
+    """Full-batch value_and_grad; chunk c of input i has the key fold_in(fold_in(rng, i), c)."""
+
+    def encode(model, params, x, i):
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        reps = []
+        for c, start in enumerate(range(0, x.shape[0], chunk_size)):
+            module = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
+            nnx.reseed(module, dropout=jax.random.fold_in(jax.random.fold_in(rng, i), c))
+            reps.append(module(x[start : start + chunk_size]))
+        return jnp.concatenate(reps)
+
+    def total(params):
+        reps = [
+            encode(m, p, x, i)
+            for i, (m, p, x) in enumerate(zip(models, params, inputs, strict=True))
+        ]
+        return loss_fn(*reps)
+
+    return full_value_and_grad(total)([params_of(m) for m in models])
+
+
+@pytest.mark.parametrize("chunk_size", [3, 4])
+def test_dropout_is_replayed(chunk_size):
+    mq, md = Tower(0, rate=0.5), Tower(1, rate=0.5)
+    q, d = batch(1), batch(2)
+    rng = jax.random.key(42)
+    gc = gc_jax.GradCache([mq, md], chunk_size, contrastive_loss)
+    loss, grads = gc(q, d, rng=rng)
+    ref_loss, ref_grads = reference_with_chunk_keys(
+        [mq, md], [q, d], chunk_size, rng, contrastive_loss
+    )
+    chex.assert_trees_all_close((loss, list(grads)), (ref_loss, ref_grads), **TOL)
+    # Dropout is really on with a key, and off without one.
+    other_loss, _ = gc(q, d, rng=jax.random.key(7))
+    eval_loss, _ = gc(q, d)
+    assert len({float(loss), float(other_loss), float(eval_loss)}) == 3
+    det = lambda m: nnx.view(m, deterministic=True)
+    chex.assert_trees_all_close(eval_loss, contrastive_loss(det(mq)(q), det(md)(d)), **TOL)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_optimizer_loop_matches_full_batch_training(tied):
+    def make():
+        q_tower = Tower(0)
+        return [q_tower, q_tower] if tied else [q_tower, Tower(1)]
+
+    models, ref_models = make(), make()
+    unique = lambda ms: list({id(m): m for m in ms}.values())
+    tx = optax.adamw(1e-2, weight_decay=1e-2)
+    opts = [nnx.Optimizer(m, tx, wrt=nnx.Param) for m in unique(models)]
+    ref_opts = [nnx.Optimizer(m, tx, wrt=nnx.Param) for m in unique(ref_models)]
+    traces = []
+
+    def loss_fn(q, d, temperature):
+        # The square term gives the document bias a gradient that is not ~0: Adam
+        # would turn float noise into full-size, sign-random updates.
+        traces.append(1)
+        return contrastive_loss(q, d, temperature=temperature) + jnp.mean(d**2)
+
+    @nnx.jit
+    @nnx.value_and_grad
+    def ref_step(ms, q, d, t):
+        rd = ms[-1](d)
+        return contrastive_loss(ms[0](q), rd, temperature=t) + jnp.mean(rd**2)
+
+    gc = gc_jax.GradCache(models, 3, loss_fn)
+    for step in range(3):
+        q, d, t = batch(10 + step), batch(20 + step), jnp.float32(0.5 + step)
+        loss, grads = gc(q, d, temperature=t)
+        grads = [grads] if tied else grads
+        for opt, m, g in zip(opts, unique(models), grads, strict=True):
+            opt.update(m, g)
+
+        ref_loss, ref_grads = ref_step(unique(ref_models), q, d, t)
+        ref_grads = [ref_grads[i] for i in range(len(ref_opts))]
+        for opt, m, g in zip(ref_opts, unique(ref_models), ref_grads, strict=True):
+            opt.update(m, g)
+        chex.assert_trees_all_close(loss, ref_loss, **TOL)
+
+    chex.assert_trees_all_close(
+        [params_of(m) for m in unique(models)], [params_of(m) for m in unique(ref_models)], **TOL
+    )
+    assert len(traces) == 1, "the jitted step should be traced once and reused"
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_under_shard_map_with_axis_name(gathered):
+    assert jax.device_count() >= 8, (
+        "needs 8 devices: export XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+    mesh = jax.make_mesh((8,), ("d",))
+    mq, md = Tower(0), Tower(1)
+    q, d = batch(1, 16), batch(2, 16)
+    if gathered:  # a plain loss made global with gc_jax.functional.gather_inputs
+        loss_fn = gc_jax.functional.gather_inputs("d")(contrastive_loss)
+    else:
+        loss_fn = lambda rq, rd: contrastive_loss(rq, rd, axis_name="d")
+    gc = gc_jax.GradCache([mq, md], 1, loss_fn, axis_name="d")
+    step = jax.jit(jax.shard_map(gc, mesh=mesh, in_specs=P("d"), out_specs=P()))
+    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))
+    out = step(shard(q), shard(d))
+    ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q), apply(md, pd, d))
+    ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
+    chex.assert_trees_all_close(out, ref_out, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(chunk_sizes=0), ValueError, "chunk_sizes must be a positive int"),
+        (dict(chunk_sizes=2.5), TypeError, "chunk_sizes must be a positive int"),
+        (dict(chunk_sizes=[2]), ValueError, "chunk_sizes has 1 entries for 2 models"),
+        (dict(chunk_sizes=[2, -1]), ValueError, r"chunk_sizes\[1\]"),
+        (dict(models=[]), ValueError, "models is empty"),
+        (dict(models=[Tower(0), lambda x: x]), TypeError, r"models\[1\] must be an nnx.Module"),
+        (dict(loss_fn="mean"), TypeError, "loss_fn must be callable"),
+        (dict(get_rep_fn=3), TypeError, "get_rep_fn must be callable"),
+    ],
+)
+def test_constructor_validation(kwargs, error, match):
+    args = dict(models=[Tower(0), Tower(1)], chunk_sizes=2, loss_fn=contrastive_loss) | kwargs
+    with pytest.raises(error, match=match):
+        gc_jax.GradCache(**args)
+
+
+def test_call_validation():
+    gc = gc_jax.GradCache([Tower(0), Tower(1)], 2, contrastive_loss)
+    with pytest.raises(ValueError, match="got 1 model_inputs for 2 models"):
+        gc(batch(1))
+    with pytest.raises(TypeError, match=r"loss_kwargs\['weights'\]"):
+        gc(batch(1), batch(2), weights=[1.0, 2.0])
+    bad = gc_jax.GradCache([Tower(0)], 2, jnp.sum, split_input_fn=lambda x, n: x)
+    with pytest.raises(TypeError, match="split_input_fn returned Array"):
+        bad(batch(1))
