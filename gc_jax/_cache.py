@@ -49,6 +49,13 @@ def _checked(encode: Encoder, name: str) -> Encoder:
     return run
 
 
+def _plan(x, chunk_size, index, axis_name, batch_axis) -> _chunking.ChunkPlan:
+    batch = _validation.leading_size(x, f"inputs[{index}]")
+    if axis_name is not None:  # inside pmap/shard_map: x holds this device's rows
+        return _chunking.make_plan(batch, chunk_size)
+    return _chunking.make_plan(batch, chunk_size, *_distributed.batch_sharding(x, batch_axis))
+
+
 def _forward(encode, params, plan, x, rng, index, cache_dtype):
     """Pass 1 for one input: the cached representations and the tail chunk's VJP."""
     key = lambda c: _chunking.chunk_key(rng, index, c)
@@ -172,27 +179,28 @@ def cached_value_and_grad(
         if rng is not None and axis_name is not None:  # distinct dropout on every device
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
-        plans, reps, tails = [], [], []
-        for i, (x, size) in enumerate(zip(inputs, sizes, strict=True)):
-            batch = _validation.leading_size(x, f"inputs[{i}]")
-            shards, sharding = (
-                (1, None) if axis_name else _distributed.batch_sharding(x, batch_axis)
-            )
-            plan = _chunking.make_plan(batch, size, shards, sharding)
-            r, t = _forward(encs[i], pparams, plan, x, rng, i, cache_dtype)
-            plans.append(plan), reps.append(r), tails.append(t)
+        plans = [
+            _plan(x, size, i, axis_name, batch_axis)
+            for i, (x, size) in enumerate(zip(inputs, sizes, strict=True))
+        ]
+        passes = [
+            _forward(encs[i], pparams, plan, inputs[i], rng, i, cache_dtype)
+            for i, plan in enumerate(plans)
+        ]
+        reps = tuple(cache for cache, _ in passes)
 
         def loss_of(p, reps):
             return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
 
         (loss, aux), (acc, rep_grads) = jax.value_and_grad(loss_of, (0, 1), has_aux=True)(
-            pparams, tuple(reps)
+            pparams, reps
         )
         acc = jax.tree.map(lambda g: g.astype(_wide(g.dtype)), acc)
         if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
             acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
         for i, plan in enumerate(plans):
-            acc = _backward(encs[i], pparams, plan, inputs[i], rep_grads[i], rng, i, tails[i], acc)
+            tail = passes[i][1]
+            acc = _backward(encs[i], pparams, plan, inputs[i], rep_grads[i], rng, i, tail, acc)
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
         grads = _cast(_distributed.reduce_grads(acc, axis_name), params)
