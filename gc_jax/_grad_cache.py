@@ -72,7 +72,9 @@ class GradCache:
         ``chunk_sizes``, not the hook's boundaries.
       get_rep_fn: picks the representation out of a model's output.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      axis_name: the data-parallel axis when called inside ``pmap``/``shard_map``.
+      axis_name: the data-parallel axis when called inside ``pmap``/``shard_map``
+        (pass the weights as ``params=``, see ``cache_step``). None for one device
+        or for a batch sharded over a mesh under plain ``jit``.
 
     Model inputs are passed as in the original: an array ``x`` as ``model(x)``, a list
     or tuple as ``model(*x)``, a dict as ``model(**x)``; every leaf is a batch.
@@ -158,7 +160,19 @@ class GradCache:
             )
         return list(chunks), True
 
-    def cache_step(self, *model_inputs: PyTree, rng: jax.Array | None = None, **loss_kwargs: Any):
+    @property
+    def params(self) -> nnx.State | tuple[nnx.State, ...]:
+        """The models' current ``nnx.Param`` state, structured like ``grads``."""
+        states = tuple(nnx.state(m, nnx.Param) for m in self._unique)
+        return states[0] if len(states) == 1 else states
+
+    def cache_step(
+        self,
+        *model_inputs: PyTree,
+        rng: jax.Array | None = None,
+        params: nnx.State | Sequence[nnx.State] | None = None,
+        **loss_kwargs: Any,
+    ):
         """Runs one gradient-cached step.
 
         Args:
@@ -166,6 +180,11 @@ class GradCache:
           rng: PRNG key for dropout. Chunk ``c`` of input ``i`` runs with every RNG
             stream of its model reseeded with ``fold_in(fold_in(rng, i), c)``, in both
             passes; with ``rng=None`` models run deterministically.
+          params: weights to use instead of the models' current ones, structured
+            like ``grads`` (e.g. ``self.params``). Inside an outer ``jax.jit``,
+            ``pmap`` or ``shard_map``, pass them as an argument of that transform:
+            weights read from the models there are baked in as constants, and a
+            cached compilation would keep using them after an optimizer update.
           **loss_kwargs: passed to ``loss_fn``. Array-valued ones are traced; others
             (e.g. ``reduction="sum"``) must be hashable and are static.
 
@@ -182,9 +201,16 @@ class GradCache:
         inputs, joined = zip(*(self._split(x, i) for i, x in enumerate(model_inputs)), strict=True)
         dyn, static = _partition(loss_kwargs)
         split = [nnx.split(m, nnx.Param, ...) for m in self._unique]
-        graphdefs, params, rests = zip(*split, strict=True)
+        graphdefs, current, rests = zip(*split, strict=True)
+        if params is not None:
+            params = (params,) if len(self._unique) == 1 else tuple(params)
+            if len(params) != len(self._unique):
+                raise ValueError(
+                    f"params has {len(params)} entries for {len(self._unique)} distinct "
+                    "models; pass params structured like grads (e.g. self.params)."
+                )
         out, grads = self._step(
-            params, rests, inputs, rng, dyn,
+            current if params is None else params, rests, inputs, rng, dyn,
             graphdefs=graphdefs, static_kwargs=static, joined=tuple(joined),
         )  # fmt: skip
         return out, grads[0] if len(grads) == 1 else grads

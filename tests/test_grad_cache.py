@@ -240,22 +240,46 @@ def test_optimizer_loop_matches_full_batch_training(tied):
     assert len(traces) == 1, "the jitted step should be traced once and reused"
 
 
-@pytest.mark.parametrize("gathered", [False, True])
-def test_under_shard_map_with_axis_name(gathered):
+@pytest.mark.parametrize(
+    ("transform", "gathered"),
+    [("shard_map", False), ("shard_map", True), ("pmap", False), ("sharded_jit", False)],
+)
+def test_data_parallel(transform, gathered):
+    """Weights passed as params= of an outer jitted transform; an update is picked up."""
     assert jax.device_count() >= 8, (
         "needs 8 devices: export XLA_FLAGS=--xla_force_host_platform_device_count=8"
     )
     mesh = jax.make_mesh((8,), ("d",))
+    sharded = NamedSharding(mesh, P("d"))
     mq, md = Tower(0), Tower(1)
     q, d = batch(1, 16), batch(2, 16)
-    if gathered:  # a plain loss made global with gc_jax.functional.gather_inputs
+    if transform == "sharded_jit":  # plain jit over a sharded batch: no axis_name
+        replicated = NamedSharding(mesh, P())
+        loss_fn = lambda rq, rd: contrastive_loss(rq, jax.sharding.reshard(rd, replicated))
+    elif gathered:  # a plain loss made global with gc_jax.functional.gather_inputs
         loss_fn = gc_jax.functional.gather_inputs("d")(contrastive_loss)
     else:
         loss_fn = lambda rq, rd: contrastive_loss(rq, rd, axis_name="d")
-    gc = gc_jax.GradCache([mq, md], 1, loss_fn, axis_name="d")
-    step = jax.jit(jax.shard_map(gc, mesh=mesh, in_specs=P("d"), out_specs=P()))
-    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))
-    out = step(shard(q), shard(d))
+    axis_name = None if transform == "sharded_jit" else "d"
+    gc = gc_jax.GradCache([mq, md], 1, loss_fn, axis_name=axis_name)
+    body = lambda params, q, d: gc(q, d, params=params)
+    if transform == "shard_map":
+        step = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P())
+        )
+        run = lambda: step(gc.params, jax.device_put(q, sharded), jax.device_put(d, sharded))
+    elif transform == "pmap":
+        step = jax.pmap(body, axis_name="d", in_axes=(None, 0, 0), devices=jax.devices()[:8])
+        per_device = lambda x: x.reshape(8, 2, DIN)
+        run = lambda: jax.tree.map(lambda x: x[0], step(gc.params, per_device(q), per_device(d)))
+    else:
+        put = lambda x: jax.device_put(x, replicated)
+        run = lambda: gc(
+            jax.device_put(q, sharded), jax.device_put(d, sharded), params=put(gc.params)
+        )
+    run()
+    mq.out.kernel.set_value(mq.out.kernel.get_value() * 2)  # e.g. an optimizer update
+    out = run()
     ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q), apply(md, pd, d))
     ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
     chex.assert_trees_all_close(out, ref_out, **TOL)
@@ -286,6 +310,8 @@ def test_call_validation():
         gc(batch(1))
     with pytest.raises(TypeError, match=r"loss_kwargs\['weights'\]"):
         gc(batch(1), batch(2), weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="params has 1 entries for 2 distinct models"):
+        gc(batch(1), batch(2), params=[gc.params[0]])
     bad = gc_jax.GradCache([Tower(0)], 2, jnp.sum, split_input_fn=lambda x, n: x)
     with pytest.raises(TypeError, match="split_input_fn returned Array"):
         bad(batch(1))
