@@ -2,7 +2,8 @@
 
 An encoder is ``encode(params, chunk, key) -> reps``. The adapters call the module
 on a chunk the way the PyTorch GradCache calls a model: an array ``x`` as
-``model(x)``, a list or tuple as ``model(*x)``, a dict as ``model(**x)``; and
+``model(x)``, a list or tuple as ``model(*x)``, a dict as ``model(**x)``, a
+``(list, dict)`` pair as ``model(*x[0], **x[1])``; and
 ``get_rep`` picks the representation out of the output (e.g. a pooled vector).
 """
 
@@ -19,7 +20,18 @@ PyTree = Any
 
 
 def call_with_chunk(fn: Callable[..., Any], chunk: PyTree) -> Any:
-    """Calls ``fn`` on a chunk: ``fn(*chunk)`` for a list/tuple, ``fn(**chunk)`` for a dict."""
+    """Calls ``fn`` on a chunk as the PyTorch GradCache calls a model.
+
+    ``(list, dict)`` pair: ``fn(*chunk[0], **chunk[1])``; list/tuple: ``fn(*chunk)``;
+    dict: ``fn(**chunk)``; anything else: ``fn(chunk)``.
+    """
+    if (
+        isinstance(chunk, tuple)
+        and len(chunk) == 2
+        and isinstance(chunk[0], list | tuple)
+        and isinstance(chunk[1], Mapping)
+    ):
+        return fn(*chunk[0], **chunk[1])
     if isinstance(chunk, list | tuple):
         return fn(*chunk)
     if isinstance(chunk, Mapping):

@@ -88,3 +88,16 @@ def test_nnx_grads_update_the_model_with_an_optimizer():
         lambda a, b, g: jnp.allclose(a - 0.1 * g, b, atol=1e-6), before, after, grads
     )
     assert all(jax.tree.leaves(moved))
+
+
+def test_chunks_are_passed_like_the_pytorch_gradcache():
+    from gc_jax._flax import call_with_chunk
+
+    def fn(*args, **kwargs):
+        return args, kwargs
+
+    x = jnp.ones(2)
+    assert call_with_chunk(fn, x) == ((x,), {})
+    assert call_with_chunk(fn, [x, x]) == ((x, x), {})
+    assert call_with_chunk(fn, {"a": x}) == ((), {"a": x})
+    assert call_with_chunk(fn, ([x], {"a": x})) == ((x,), {"a": x})
