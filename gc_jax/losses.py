@@ -4,6 +4,11 @@ With ``axis_name`` (inside ``pmap``/``shard_map``) each loss gathers the other s
 across devices, computes only this device's rows, and returns the *global* loss
 on every device with the gradient of this device's share (see
 ``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects.
+
+With ``block_size`` the logits are computed in ``block_size x block_size`` tiles,
+forward and backward, and never held whole (see ``gc_jax._blockwise``): memory
+grows with ``rows * dim`` instead of ``rows**2``. Values and gradients match the
+dense computation up to float rounding.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gc_jax import _distributed
+from gc_jax import _blockwise, _distributed, _validation
 
 AxisName = Any
 
@@ -55,8 +60,14 @@ def _gather(v: jax.Array, axis_name: AxisName | None) -> jax.Array:
     return v if axis_name is None else _distributed.all_gather(v, axis_name)
 
 
-def _offset(rows: int, axis_name: AxisName | None) -> jax.Array | int:
-    return 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
+def _check_block(block_size: Any) -> int | None:
+    return None if block_size is None else _validation.positive_int(block_size, "block_size")
+
+
+def _targets(rows: int, k: int, axis_name: AxisName | None) -> jax.Array:
+    """Index into the gathered other side of each local row's positive (``k`` per query)."""
+    offset = 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
+    return (offset + jnp.arange(rows)) * k
 
 
 def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> jax.Array:
@@ -69,8 +80,21 @@ def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> 
     return _distributed.global_loss(share, axis_name)
 
 
-def _row_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def _row_ce(x, ys, targets, scale, block_size: int | None) -> jax.Array:
+    """Per-row ``-log softmax(scale * x @ ys.T)[targets]``, dense or blockwise."""
+    if block_size is not None:
+        return _blockwise.softmax_cross_entropy(x, ys, targets, scale, block_size)
+    logits = scale * (x @ ys.T)
     return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def _row_sigmoid(x, ys, targets, scale, bias, block_size: int | None) -> jax.Array:
+    """Per-row sum of ``-log sigmoid(label * (scale * x @ ys.T + bias))``."""
+    if block_size is not None:
+        return _blockwise.sigmoid_rows(x, ys, targets, scale, bias, block_size)
+    logits = scale * (x @ ys.T) + bias
+    labels = 2.0 * jax.nn.one_hot(targets, ys.shape[0], dtype=logits.dtype) - 1.0
+    return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
 
 
 def contrastive_loss(
@@ -79,6 +103,7 @@ def contrastive_loss(
     *,
     temperature: float | jax.Array = 1.0,
     reduction: str = "mean",
+    block_size: int | None = None,
     axis_name: AxisName | None = None,
 ) -> jax.Array:
     """InfoNCE of each query row of ``x`` against every row of ``y``.
@@ -93,25 +118,31 @@ def contrastive_loss(
       temperature: logits are ``x @ y.T / temperature``; may be a traced parameter.
       reduction: ``"mean"`` or ``"sum"`` over the global batch, or ``"none"`` for the
         per-query losses of this device's rows.
+      block_size: if set, compute the loss and its gradient in tiles of this many
+        rows of each side, never materialising the ``[n, n * k]`` logits.
       axis_name: data-parallel axis to gather ``y`` over, or None.
 
     Returns:
       The loss (global under ``axis_name``).
 
     Examples:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from gc_jax.losses import contrastive_loss
       >>> q = jnp.array([[1.0, 0.0], [0.0, 1.0]])
       >>> float(contrastive_loss(q, q, temperature=0.1)) < 1e-4
       True
+      >>> x, y = jnp.sin(jnp.arange(80.0)).reshape(2, 10, 4)
+      >>> blockwise = jax.jit(contrastive_loss, static_argnames="block_size")
+      >>> bool(jnp.allclose(blockwise(x, y, block_size=3), contrastive_loss(x, y)))
+      True
     """
     _check_reduction(reduction)
+    block_size = _check_block(block_size)
     k = _check_pair(x, y, multiple=True)
     n = x.shape[0]
-    ys = _gather(y, axis_name)
-    logits = (x @ ys.T) / temperature
-    targets = (_offset(n, axis_name) + jnp.arange(n)) * k
-    return _reduce(_row_ce(logits, targets), n * _num_devices(axis_name), reduction, axis_name)
+    targets = _targets(n, k, axis_name)
+    per_row = _row_ce(x, _gather(y, axis_name), targets, 1.0 / temperature, block_size)
+    return _reduce(per_row, n * _num_devices(axis_name), reduction, axis_name)
 
 
 def clip_loss(
@@ -120,6 +151,7 @@ def clip_loss(
     logit_scale: float | jax.Array,
     *,
     reduction: str = "mean",
+    block_size: int | None = None,
     axis_name: AxisName | None = None,
 ) -> jax.Array:
     """Symmetric CLIP loss: the mean of image-to-text and text-to-image InfoNCE.
@@ -131,7 +163,10 @@ def clip_loss(
         at ``log(1 / 0.07)``); logits are ``exp(logit_scale) * x @ y.T``.
       reduction: ``"mean"`` or ``"sum"`` over the global batch, or ``"none"`` for
         the per-pair losses of this device's rows.
-      axis_name: data-parallel axis to gather over, or None.
+      block_size: if set, compute both directions and their gradients in tiles of
+        this many rows of each side, never materialising the ``[n, n]`` logits.
+      axis_name: data-parallel axis to gather over, or None; each device scores its
+        ``x`` rows against the gathered ``y`` and its ``y`` rows against the gathered ``x``.
 
     Returns:
       The loss (global under ``axis_name``).
@@ -142,14 +177,17 @@ def clip_loss(
       >>> e = jnp.eye(3)
       >>> bool(clip_loss(e, e, jnp.log(100.0)) < 1e-3)
       True
+      >>> bool(jnp.allclose(clip_loss(e, e, 0.0, block_size=2), clip_loss(e, e, 0.0)))
+      True
     """
     _check_reduction(reduction)
+    block_size = _check_block(block_size)
     _check_pair(x, y, multiple=False)
     n = x.shape[0]
     scale = jnp.exp(logit_scale)
-    targets = _offset(n, axis_name) + jnp.arange(n)
-    x_to_y = _row_ce(scale * (x @ _gather(y, axis_name).T), targets)
-    y_to_x = _row_ce(scale * (y @ _gather(x, axis_name).T), targets)
+    targets = _targets(n, 1, axis_name)
+    x_to_y = _row_ce(x, _gather(y, axis_name), targets, scale, block_size)
+    y_to_x = _row_ce(y, _gather(x, axis_name), targets, scale, block_size)
     return _reduce((x_to_y + y_to_x) / 2, n * _num_devices(axis_name), reduction, axis_name)
 
 
@@ -160,6 +198,7 @@ def sigmoid_loss(
     logit_bias: float | jax.Array,
     *,
     reduction: str = "mean",
+    block_size: int | None = None,
     axis_name: AxisName | None = None,
 ) -> jax.Array:
     """SigLIP's pairwise sigmoid loss.
@@ -175,6 +214,8 @@ def sigmoid_loss(
       logit_bias: added to every logit (SigLIP starts at ``-10``).
       reduction: ``"mean"`` (per row) or ``"sum"`` over the global batch, or
         ``"none"`` for the per-row sums of this device's rows.
+      block_size: if set, compute the loss and its gradient in tiles of this many
+        rows of each side, never materialising the ``[n, n]`` logits.
       axis_name: data-parallel axis to gather ``y`` over, or None.
 
     Returns:
@@ -186,12 +227,15 @@ def sigmoid_loss(
       >>> e = jnp.eye(3)
       >>> bool(sigmoid_loss(e, e, jnp.log(20.0), -10.0) < 1e-3)
       True
+      >>> blockwise = sigmoid_loss(e, e, 0.0, -1.0, block_size=2)
+      >>> bool(jnp.allclose(blockwise, sigmoid_loss(e, e, 0.0, -1.0)))
+      True
     """
     _check_reduction(reduction)
+    block_size = _check_block(block_size)
     _check_pair(x, y, multiple=False)
     n = x.shape[0]
-    ys = _gather(y, axis_name)
-    logits = jnp.exp(logit_scale) * (x @ ys.T) + logit_bias
-    labels = 2.0 * jax.nn.one_hot(_offset(n, axis_name) + jnp.arange(n), ys.shape[0]) - 1.0
-    per_row = -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
+    targets = _targets(n, 1, axis_name)
+    scale = jnp.exp(logit_scale)
+    per_row = _row_sigmoid(x, _gather(y, axis_name), targets, scale, logit_bias, block_size)
     return _reduce(per_row, n * _num_devices(axis_name), reduction, axis_name)

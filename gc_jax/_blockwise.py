@@ -1,0 +1,269 @@
+"""Row-wise contrastive losses computed tile by tile, never holding the full logit matrix.
+
+Every query row ``i`` of ``x`` is scored against every row ``j`` of ``ys`` with logit
+``z[i, j] = scale * x[i] @ ys[j] + bias``. The logits are visited in
+``block_size x block_size`` tiles: ``lax.map`` over blocks of queries, ``lax.scan``
+over blocks of ``ys``, so memory is one tile plus ``O((n + m) * d)``, whatever ``n``
+and ``m``. Rows are padded up to a whole number of blocks and padded columns masked.
+
+*Online log-sum-exp* (softmax losses): a query row keeps a running maximum ``mx`` and
+a running ``se = sum(exp(z - mx))``; a new tile with maximum ``mx'`` rescales
+``se`` by ``exp(mx - mx')`` before adding its own terms, and after the last tile
+``lse = mx + log(se)``, exactly and stably.
+
+*Custom VJP*: letting autodiff differentiate the scan would save every tile. Instead
+the forward saves only the inputs and one statistic per row (the LSE), and the
+backward recomputes each tile's logits to form ``dz = g * dloss/dz`` (``softmax - 1
+at the target`` for softmax, ``sigmoid(z) - label`` for sigmoid), accumulating
+``dx``, ``dys``, ``dscale = sum(dz * x @ ys.T)`` and ``dbias = sum(dz)`` tile by tile.
+Gathering ``ys`` across devices happens outside, so its transpose (a reduce-scatter)
+is left to JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Rows = tuple[jax.Array, ...]
+
+
+class _Softmax:
+    """Per row: ``-log softmax(z)[target] = lse(z) - z[target]``."""
+
+    @staticmethod
+    def init(rows: int, dtype: Any) -> Rows:
+        """Running max, running sum of ``exp(z - max)``, and the target's logit."""
+        return (
+            jnp.full((rows,), -jnp.inf, dtype),
+            jnp.zeros((rows,), dtype),
+            jnp.zeros((rows,), dtype),
+        )
+
+    @staticmethod
+    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
+        mx, se, target = carry
+        z_valid = jnp.where(valid, z, -jnp.inf)
+        new_mx = jnp.maximum(mx, z_valid.max(axis=1))
+        se = se * jnp.exp(mx - new_mx) + jnp.exp(z_valid - new_mx[:, None]).sum(axis=1)
+        return new_mx, se, target + jnp.where(pos, z, 0).sum(axis=1)
+
+    @staticmethod
+    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
+        """The per-row losses and the statistic the backward needs (the LSE)."""
+        mx, se, target = carry
+        lse = mx + jnp.log(se)
+        return lse - target, lse
+
+    @staticmethod
+    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, lse: jax.Array) -> jax.Array:
+        return jnp.where(valid, jnp.exp(z - lse[:, None]), 0) - pos
+
+
+class _Sigmoid:
+    """Per row: ``sum_j -log sigmoid(label_ij * z_ij)``, label ``+1`` at the target only."""
+
+    @staticmethod
+    def init(rows: int, dtype: Any) -> Rows:
+        return (jnp.zeros((rows,), dtype),)
+
+    @staticmethod
+    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
+        terms = jax.nn.softplus(jnp.where(pos, -z, z))  # -log sigmoid(label * z)
+        return (carry[0] + jnp.where(valid, terms, 0).sum(axis=1),)
+
+    @staticmethod
+    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
+        return carry[0], carry[0]  # the backward needs no statistic
+
+    @staticmethod
+    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, _: jax.Array) -> jax.Array:
+        return jnp.where(valid, jnp.where(pos, -jax.nn.sigmoid(-z), jax.nn.sigmoid(z)), 0)
+
+
+def _blocks(v: jax.Array, size: int) -> jax.Array:
+    """``v``'s rows padded to a multiple of ``size`` and stacked as ``[-1, size, ...]``."""
+    pad = -v.shape[0] % size
+    v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+    return v.reshape(-1, size, *v.shape[1:])
+
+
+def _unblock(v: jax.Array, rows: int) -> jax.Array:
+    return v.reshape(-1, *v.shape[2:])[:rows]
+
+
+def _tile(xq, yk, targets, start, m, scale, bias):
+    """One tile: raw scores ``xq @ yk.T``, logits, real columns, and target positions."""
+    raw = xq @ yk.T
+    cols = start + jnp.arange(yk.shape[0])
+    return raw, scale * raw + bias, (cols < m)[None, :], cols[None, :] == targets[:, None]
+
+
+def _sizes(block: int, x: jax.Array, ys: jax.Array) -> tuple[int, int]:
+    return min(block, x.shape[0]), min(block, ys.shape[0])
+
+
+def _vma(v: jax.Array) -> frozenset:
+    """The ``shard_map`` axes ``v`` varies over (empty outside ``shard_map``)."""
+    aval = jax.typeof(v)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10; older JAX: ``aval.vma``
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def _varying_like(tree: Any, *others: jax.Array) -> Any:
+    """Casts ``tree``'s leaves to vary over every ``shard_map`` axis ``others`` vary over.
+
+    Scan carries must keep their types, and the custom VJP's cotangents must have the
+    types of its inputs: a replicated scalar used with per-device rows is cast outside
+    the custom VJP, and gets its (psummed) gradient through the cast.
+    """
+    vma = frozenset().union(*map(_vma, others))
+
+    def cast(v):
+        missing = tuple(vma - _vma(v))
+        return jax.lax.pcast(v, missing, to="varying") if missing else v
+
+    return jax.tree.map(cast, tree)
+
+
+def _forward(kind, block, x, ys, targets, scale, bias):
+    bq, bk = _sizes(block, x, ys)
+    y_blocks = _blocks(ys, bk)
+    starts = jnp.arange(y_blocks.shape[0]) * bk
+
+    def query_block(args):
+        xq, tq = args
+
+        def step(carry, key):
+            yk, start = key
+            _, z, valid, pos = _tile(xq, yk, tq, start, ys.shape[0], scale, bias)
+            return kind.update(carry, z, valid, pos), None
+
+        init = _varying_like(kind.init(bq, x.dtype), x, ys)
+        carry, _ = jax.lax.scan(step, init, (y_blocks, starts))
+        return kind.finish(carry)
+
+    loss, stat = jax.lax.map(query_block, (_blocks(x, bq), _blocks(targets, bq)))
+    return _unblock(loss, x.shape[0]), _unblock(stat, x.shape[0])
+
+
+def _backward(kind, block, x, ys, targets, scale, bias, stat, g):
+    bq, bk = _sizes(block, x, ys)
+    y_blocks = _blocks(ys, bk)
+    keys = (y_blocks, jnp.arange(y_blocks.shape[0]))
+
+    def query_block(carry, args):
+        xq, tq, sq, gq = args
+
+        def step(carry, key):
+            dxq, dy, dscale, dbias = carry
+            yk, j = key
+            raw, z, valid, pos = _tile(xq, yk, tq, j * bk, ys.shape[0], scale, bias)
+            dz = gq[:, None] * kind.dlogits(z, valid, pos, sq)
+            dy = dy.at[j].add(scale * (dz.T @ xq))
+            return (dxq + scale * (dz @ yk), dy, dscale + (dz * raw).sum(), dbias + dz.sum()), None
+
+        (dxq, *carry), _ = jax.lax.scan(step, (jnp.zeros_like(xq), *carry), keys)
+        return tuple(carry), dxq
+
+    zero = _varying_like(jnp.zeros((), x.dtype), x, ys)
+    per_query = tuple(_blocks(v, bq) for v in (x, targets, stat, g))
+    (dy, dscale, dbias), dx = jax.lax.scan(
+        query_block, (jnp.zeros_like(y_blocks), zero, zero), per_query
+    )
+    return _unblock(dx, x.shape[0]), _unblock(dy, ys.shape[0]), dscale, dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rowwise(kind, block, x, ys, targets, scale, bias):
+    return _forward(kind, block, x, ys, targets, scale, bias)[0]
+
+
+def _rowwise_fwd(kind, block, x, ys, targets, scale, bias):
+    loss, stat = _forward(kind, block, x, ys, targets, scale, bias)
+    return loss, (x, ys, targets, scale, bias, stat)
+
+
+def _rowwise_bwd(kind, block, res, g):
+    x, ys, targets, scale, bias, stat = res
+    dx, dys, dscale, dbias = _backward(kind, block, x, ys, targets, scale, bias, stat, g)
+    return dx, dys, None, dscale, dbias
+
+
+_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def _call(kind, x, ys, targets, scale, bias, block_size):
+    """Casts the inputs to one dtype and the scalars to vary like the rows, then runs."""
+    dtype = jnp.result_type(x, ys, scale, bias)
+    x, ys, scale, bias = (jnp.asarray(v, dtype) for v in (x, ys, scale, bias))
+    scale, bias = _varying_like((scale, bias), x, ys)
+    return _rowwise(kind, block_size, x, ys, targets, scale, bias)
+
+
+def softmax_cross_entropy(
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: float | jax.Array,
+    block_size: int,
+) -> jax.Array:
+    """Per-row ``-log softmax(scale * x @ ys.T)[i, targets[i]]``, blockwise.
+
+    Args:
+      x: queries, ``[n, d]``.
+      ys: candidates, ``[m, d]``.
+      targets: the index into ``ys`` of each query's positive, ``[n]`` ints.
+      scale: logit multiplier (scalar, differentiable).
+      block_size: rows per tile on either side.
+
+    Returns:
+      The per-query losses, ``[n]``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> x, ys = jnp.eye(3), jnp.eye(3)[::-1]
+      >>> t = jnp.array([2, 1, 0])
+      >>> dense = -jax.nn.log_softmax(2.0 * x @ ys.T)[jnp.arange(3), t]
+      >>> bool(jnp.allclose(softmax_cross_entropy(x, ys, t, 2.0, block_size=2), dense))
+      True
+    """
+    return _call(_Softmax, x, ys, targets, scale, 0.0, block_size)
+
+
+def sigmoid_rows(
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: float | jax.Array,
+    bias: float | jax.Array,
+    block_size: int,
+) -> jax.Array:
+    """Per-row ``sum_j -log sigmoid(label_ij * (scale * x[i] @ ys[j] + bias))``, blockwise.
+
+    ``label_ij`` is ``+1`` where ``j == targets[i]`` and ``-1`` elsewhere.
+
+    Args:
+      x: ``[n, d]``.
+      ys: ``[m, d]``.
+      targets: the index into ``ys`` of each row's positive, ``[n]`` ints.
+      scale: logit multiplier (scalar, differentiable).
+      bias: added to every logit (scalar, differentiable).
+      block_size: rows per tile on either side.
+
+    Returns:
+      The per-row sums, ``[n]``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.eye(3)
+      >>> labels = 2 * jnp.eye(3) - 1
+      >>> dense = -jax.nn.log_sigmoid(labels * (5.0 * x @ x.T - 1.0)).sum(1)
+      >>> rows = sigmoid_rows(x, x, jnp.arange(3), 5.0, -1.0, block_size=2)
+      >>> bool(jnp.allclose(rows, dense))
+      True
+    """
+    return _call(_Sigmoid, x, ys, targets, scale, bias, block_size)
