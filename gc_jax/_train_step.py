@@ -105,17 +105,15 @@ def _grad_leaves(grads: PyTree) -> list[tuple[str, jax.Array]]:
 
 def _nonfinite_message(loss: Any, grads_checked: Any, named_counts: list) -> str:
     """The message of the finite check, from concrete values (host side)."""
-    parts = []
-    if not np.all(np.isfinite(loss)):
-        parts.append(f"the loss is {loss}")
-    if bool(grads_checked):
-        bad = [(n, c, size) for n, c, size in named_counts if c]
-        if bad:
-            listing = ", ".join(f"{n} ({c} of {size} entries)" for n, c, size in bad)
-            parts.append(f"non-finite gradients in {listing}")
-    if parts and not any(p.startswith("the loss") for p in parts):
-        parts.insert(0, f"the loss is finite ({loss}) but")
-    return "gc_jax train step produced non-finite values: " + "; ".join(parts) + "."
+    bad = [(n, c, size) for n, c, size in named_counts if c] if bool(grads_checked) else []
+    listing = ", ".join(f"{n} ({c} of {size} entries)" for n, c, size in bad)
+    if np.all(np.isfinite(loss)):
+        what = f"the loss is finite ({loss}) but gradients are not: {listing}"
+    elif bad:
+        what = f"the loss is {loss}, and gradients are not finite: {listing}"
+    else:
+        what = f"the loss is {loss} (the gradients are finite)"
+    return f"gc_jax train step produced non-finite values: {what}."
 
 
 def _check_finite(mode, loss, grads, grads_checked) -> None:
