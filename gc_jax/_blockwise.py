@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 Rows = tuple[jax.Array, ...]
+Kind = type  # _Softmax or _Sigmoid: how a row's loss and its logit gradient are formed
+Scalar = jax.Array
 
 
 class _Softmax:
@@ -95,7 +97,15 @@ def _unblock(v: jax.Array, rows: int) -> jax.Array:
     return v.reshape(-1, *v.shape[2:])[:rows]
 
 
-def _tile(xq, yk, targets, start, m, scale, bias):
+def _tile(
+    xq: jax.Array,
+    yk: jax.Array,
+    targets: jax.Array,
+    start: jax.Array,
+    m: int,
+    scale: Scalar,
+    bias: Scalar,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One tile: raw scores ``xq @ yk.T``, logits, real columns, and target positions."""
     raw = xq @ yk.T
     cols = start + jnp.arange(yk.shape[0])
@@ -129,7 +139,16 @@ def _varying_like(tree: Any, *others: jax.Array) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _forward(kind, block, x, ys, targets, scale, bias):
+def _forward(
+    kind: Kind,
+    block: int,
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: Scalar,
+    bias: Scalar,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-row losses and statistics: ``lax.map`` over query blocks, ``scan`` over ``ys``."""
     bq, bk = _sizes(block, x, ys)
     y_blocks = _blocks(ys, bk)
     starts = jnp.arange(y_blocks.shape[0]) * bk
@@ -150,7 +169,22 @@ def _forward(kind, block, x, ys, targets, scale, bias):
     return _unblock(loss, x.shape[0]), _unblock(stat, x.shape[0])
 
 
-def _backward(kind, block, x, ys, targets, scale, bias, stat, g):
+def _backward(
+    kind: Kind,
+    block: int,
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: Scalar,
+    bias: Scalar,
+    stat: jax.Array,
+    g: jax.Array,
+) -> tuple[jax.Array, jax.Array, Scalar, Scalar]:
+    """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile.
+
+    A ``scan`` over query blocks carries ``dys`` (and the scalars); the inner ``scan``
+    over ``ys`` blocks carries the query block's ``dx``.
+    """
     bq, bk = _sizes(block, x, ys)
     y_blocks = _blocks(ys, bk)
     keys = (y_blocks, jnp.arange(y_blocks.shape[0]))
@@ -179,6 +213,7 @@ def _backward(kind, block, x, ys, targets, scale, bias, stat, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _rowwise(kind, block, x, ys, targets, scale, bias):
+    """Per-row losses; the forward saves the inputs and one statistic per row."""
     return _forward(kind, block, x, ys, targets, scale, bias)[0]
 
 
@@ -196,7 +231,15 @@ def _rowwise_bwd(kind, block, res, g):
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
-def _call(kind, x, ys, targets, scale, bias, block_size):
+def _call(
+    kind: Kind,
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: float | jax.Array,
+    bias: float | jax.Array,
+    block_size: int,
+) -> jax.Array:
     """Casts the inputs to one dtype and the scalars to vary like the rows, then runs."""
     dtype = jnp.result_type(x, ys, scale, bias)
     x, ys, scale, bias = (jnp.asarray(v, dtype) for v in (x, ys, scale, bias))
