@@ -35,6 +35,10 @@ from gc_jax._cache import cached_value_and_grad
 PyTree = Any
 TrainState = flax_train_state.TrainState
 
+# The floor of a dynamic loss scale. Non-finite gradients at this scale are not an
+# overflow that backing off could fix, so the opt-in finite check reports them.
+MIN_LOSS_SCALE = 1.0
+
 
 class DynamicLossScale(NamedTuple):
     """State of dynamic loss scaling: the current scale and the finite-step streak.
@@ -72,7 +76,7 @@ class DynamicLossScale(NamedTuple):
         growth_interval: int = 2000,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
-        min_scale: float = 1.0,
+        min_scale: float = MIN_LOSS_SCALE,
     ) -> DynamicLossScale:
         """The state after a step whose loss and gradients were ``finite`` (or not)."""
         scale = jnp.asarray(self.scale, jnp.float32)
@@ -336,7 +340,7 @@ def make_train_step(
         loss, aux = out if has_aux else (out, None)
         finite = all_finite(loss, grads)
         if check_mode:
-            grads_checked = scale_state.scale <= 1.0 if dynamic else jnp.array(True)
+            grads_checked = scale_state.scale <= MIN_LOSS_SCALE if dynamic else jnp.array(True)
             _check_finite(check_mode, loss, grads, grads_checked)
 
         if optimizer is None:

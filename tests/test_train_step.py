@@ -350,3 +350,28 @@ def test_shard_map_data_parallel_matches_full_batch():
         losses.append(metrics["loss"])
     chex.assert_trees_all_close(jnp.stack(losses), want_losses, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(state[0], want_params, rtol=1e-4, atol=1e-5)
+
+
+def test_pmap_train_state_matches_full_batch():
+    assert jax.device_count() >= 8, (
+        "this test needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+    tx = TXS["adamw_small"]
+    data = batches(2, rows=16)
+    want_params, want_losses = reference_training("adamw_small", data)
+
+    def loss(p, q, d):
+        return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]), axis_name="batch")
+
+    step = gc_jax.make_train_step(loss, ENCODERS, 1, axis_name="batch")
+    step = jax.pmap(step, axis_name="batch")
+    state = TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (8, *jnp.shape(x))), state)
+    per_device = lambda x: x.reshape(8, -1, *x.shape[1:])
+    for (q, d), want_loss in zip(data, want_losses, strict=True):
+        state, metrics = step(state, per_device(q), per_device(d))
+        chex.assert_trees_all_close(metrics["loss"], jnp.full(8, want_loss), rtol=1e-5)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[0], state.params), want_params, rtol=1e-4, atol=1e-5
+    )
+    assert int(state.step[0]) == 2
