@@ -171,6 +171,7 @@ def cached_value_and_grad(
         encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
         sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
         _validation.axis_bound(axis_name)
+        _validation.rng_key(rng)
         encs = [
             _checked(e, f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder")
             for i, e in enumerate(encs)
