@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from gc_jax import _blockwise, _distributed, _validation
 
@@ -80,8 +81,27 @@ def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> 
     return _distributed.global_loss(share, axis_name)
 
 
+def _replicated(v: jax.Array) -> jax.Array:
+    """``v`` replicated if its type is sharded (``jit`` over explicit mesh axes)."""
+    spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None) or ()
+    return jax.sharding.reshard(v, P()) if any(a is not None for a in spec) else v
+
+
+def _layout(x: jax.Array, ys: jax.Array, block_size: int | None) -> tuple[jax.Array, jax.Array]:
+    """Replicates what each device needs under ``jit`` over explicit mesh axes.
+
+    Every device scores its rows of ``x`` against all of ``ys``. The blockwise loops also
+    need all of ``x``, so they run whole on every device: to split them, use
+    ``axis_name`` under ``shard_map``. Without explicit sharding this is a no-op.
+    """
+    if block_size is not None:
+        x = _replicated(x)
+    return x, _replicated(ys)
+
+
 def _row_ce(x, ys, targets, scale, block_size: int | None) -> jax.Array:
     """Per-row ``-log softmax(scale * x @ ys.T)[targets]``, dense or blockwise."""
+    x, ys = _layout(x, ys, block_size)
     if block_size is not None:
         return _blockwise.softmax_cross_entropy(x, ys, targets, scale, block_size)
     logits = scale * (x @ ys.T)
@@ -90,6 +110,7 @@ def _row_ce(x, ys, targets, scale, block_size: int | None) -> jax.Array:
 
 def _row_sigmoid(x, ys, targets, scale, bias, block_size: int | None) -> jax.Array:
     """Per-row sum of ``-log sigmoid(label * (scale * x @ ys.T + bias))``."""
+    x, ys = _layout(x, ys, block_size)
     if block_size is not None:
         return _blockwise.sigmoid_rows(x, ys, targets, scale, bias, block_size)
     logits = scale * (x @ ys.T) + bias

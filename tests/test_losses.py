@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
@@ -320,6 +320,19 @@ def test_shard_map_none_reduction_is_local_rows(devices, block_size=2):
     chex.assert_trees_all_close(
         jax.jit(f)(shard(x), shard(y)), contrastive_loss(x, y, reduction="none"), **TOL
     )
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_sharded_jit_over_explicit_axes(devices, block_size):
+    """Under plain jit with rows sharded over an explicit mesh axis: full-batch results."""
+    x, y = _data(D * N_LOCAL, D * N_LOCAL, seed=5)
+    want = _value_and_grads(clip_loss, x, y, (0.5,))
+    mesh = jax.make_mesh((D,), ("d",), axis_types=(AxisType.Explicit,), devices=devices)
+    shard = lambda v: jax.device_put(v, NamedSharding(mesh, P("d")))
+    with jax.set_mesh(mesh):
+        got = _value_and_grads(clip_loss, shard(x), shard(y), (0.5,), block_size=block_size)
+    assert jax.typeof(got[1][0]).sharding.spec == P("d", None)
+    chex.assert_trees_all_close(got, want, **BLOCK_TOL)
 
 
 def test_cached_value_and_grad_with_blockwise_loss_under_shard_map(devices):
