@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gc_jax import _distributed
+
 Rows = tuple[jax.Array, ...]
 Kind = type  # _Softmax or _Sigmoid: how a row's loss and its logit gradient are formed
 Scalar = jax.Array
@@ -116,13 +118,6 @@ def _sizes(block: int, x: jax.Array, ys: jax.Array) -> tuple[int, int]:
     return min(block, x.shape[0]), min(block, ys.shape[0])
 
 
-def _vma(v: jax.Array) -> frozenset:
-    """The ``shard_map`` axes ``v`` varies over (empty outside ``shard_map``)."""
-    aval = jax.typeof(v)
-    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10; older JAX: ``aval.vma``
-    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-
-
 def _varying_like(tree: Any, *others: jax.Array) -> Any:
     """Casts ``tree``'s leaves to vary over every ``shard_map`` axis ``others`` vary over.
 
@@ -130,10 +125,10 @@ def _varying_like(tree: Any, *others: jax.Array) -> Any:
     types of its inputs: a replicated scalar used with per-device rows is cast outside
     the custom VJP, and gets its (psummed) gradient through the cast.
     """
-    vma = frozenset().union(*map(_vma, others))
+    vma = frozenset().union(*map(_distributed.varying_axes, others))
 
     def cast(v):
-        missing = tuple(vma - _vma(v))
+        missing = tuple(vma - set(_distributed.varying_axes(v)))
         return jax.lax.pcast(v, missing, to="varying") if missing else v
 
     return jax.tree.map(cast, tree)
