@@ -5,48 +5,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from reference import full_batch_value_and_grad
+from toy import batch, doc_tower, init_params, loss_fn, query_tower
 
 import gc_jax
-from gc_jax.losses import contrastive_loss
-
-DIM_IN, DIM_HIDDEN, DIM_OUT = 6, 16, 8
-
-
-def make_params(seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    return {
-        "w1": jax.random.normal(k1, (DIM_IN, DIM_HIDDEN)) / 2,
-        "w2": jax.random.normal(k2, (DIM_HIDDEN, DIM_OUT)) / 4,
-        "doc_w": jax.random.normal(k3, (DIM_IN, DIM_OUT)) / 2,
-        "log_temp": jnp.array(0.3),
-    }
-
-
-def mlp(params, x, key):
-    h = jnp.tanh(x @ params["w1"])
-    if key is not None:
-        h = h * jax.random.bernoulli(key, 0.7, h.shape) / 0.7
-    return h @ params["w2"]
-
-
-def doc_tower(params, x, key):
-    return jnp.tanh(x @ params["doc_w"])
-
-
-def infonce(params, q, d, scale=1.0):
-    return contrastive_loss(q, d, temperature=jnp.exp(params["log_temp"]) * scale)
-
-
-def batch(rows, seed, k=1):
-    kq, kd = jax.random.split(jax.random.key(seed))
-    return (
-        jax.random.normal(kq, (rows, DIM_IN)),
-        jax.random.normal(kd, (rows * k, DIM_IN)),
-    )
 
 
 def check(loss_fn, encoders, chunk_size, *inputs, rng=None, has_aux=False, **kw):
-    params = make_params()
+    params = init_params()
     f = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunk_size, has_aux=has_aux))
     got = f(params, *inputs, rng=rng, **kw)
     want = full_batch_value_and_grad(
@@ -58,48 +23,48 @@ def check(loss_fn, encoders, chunk_size, *inputs, rng=None, has_aux=False, **kw)
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 10, 12, 100])
 def test_chunk_sizes_match_full_batch(chunk_size):
-    check(infonce, mlp, chunk_size, *batch(12, 1))
+    check(loss_fn, query_tower, chunk_size, *batch(12, 1))
 
 
 @pytest.mark.parametrize("chunk_size", [(5, 2), (12, 1), [4, 7]])
 def test_per_input_chunk_sizes(chunk_size):
-    check(infonce, [mlp, doc_tower], chunk_size, *batch(12, 2))
+    check(loss_fn, [query_tower, doc_tower], chunk_size, *batch(12, 2))
 
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_hard_negatives(k):
-    check(infonce, mlp, 5, *batch(7, 3, k=k))
+    check(loss_fn, query_tower, 5, *batch(7, 3, k=k))
 
 
 def test_tied_encoder_gets_summed_gradient():
-    _, grads = check(infonce, mlp, 4, *batch(9, 4))
-    assert jnp.abs(grads["doc_w"]).max() == 0.0  # unused tower gets zero gradient
+    _, grads = check(loss_fn, query_tower, 4, *batch(9, 4))
+    assert jnp.abs(grads["doc"]).max() == 0.0  # unused tower gets zero gradient
     assert jnp.abs(grads["w1"]).max() > 0.0
 
 
 def test_loss_side_parameters_get_gradient():
-    _, grads = check(infonce, [mlp, doc_tower], 3, *batch(8, 5))
+    _, grads = check(loss_fn, [query_tower, doc_tower], 3, *batch(8, 5))
     assert grads["log_temp"] != 0.0
 
 
 def test_loss_kwargs_reach_the_loss():
-    (value, _) = check(infonce, mlp, 3, *batch(8, 6), scale=2.0)
-    (plain, _) = check(infonce, mlp, 3, *batch(8, 6))
+    (value, _) = check(loss_fn, query_tower, 3, *batch(8, 6), scale=2.0)
+    (plain, _) = check(loss_fn, query_tower, 3, *batch(8, 6))
     assert not jnp.allclose(value, plain)
 
 
 def test_has_aux():
     def loss_with_aux(params, q, d):
-        value = infonce(params, q, d)
+        value = loss_fn(params, q, d)
         return value, {"norm": jnp.linalg.norm(q, axis=-1).mean(), "value": value}
 
-    (value, aux), _ = check(loss_with_aux, mlp, 3, *batch(8, 7), has_aux=True)
+    (value, aux), _ = check(loss_with_aux, query_tower, 3, *batch(8, 7), has_aux=True)
     chex.assert_trees_all_close(aux["value"], value)
 
 
 def test_dict_and_tuple_inputs():
     def encode_dict(params, x, key):
-        return mlp(params, x["tokens"] * x["mask"][:, None], key)
+        return query_tower(params, x["tokens"] * x["mask"][:, None], key)
 
     def encode_tuple(params, x, key):
         a, b = x
@@ -107,16 +72,16 @@ def test_dict_and_tuple_inputs():
 
     q, d = batch(10, 8)
     q_dict = {"tokens": q, "mask": (jnp.arange(10) % 3 != 0).astype(jnp.float32)}
-    check(infonce, [encode_dict, encode_tuple], 4, q_dict, (d, d * 0.5))
+    check(loss_fn, [encode_dict, encode_tuple], 4, q_dict, (d, d * 0.5))
 
 
 def test_pytree_representations():
     def encode(params, x, key):
-        rep = mlp(params, x, key)
+        rep = query_tower(params, x, key)
         return {"rep": rep, "norm": jnp.linalg.norm(rep, axis=-1)}
 
     def loss(params, q, d):
-        return infonce(params, q["rep"], d["rep"]) + 0.1 * jnp.mean(q["norm"] ** 2)
+        return loss_fn(params, q["rep"], d["rep"]) + 0.1 * jnp.mean(q["norm"] ** 2)
 
     check(loss, encode, 3, *batch(8, 9))
 
@@ -124,8 +89,8 @@ def test_pytree_representations():
 @pytest.mark.parametrize("chunk_size", [1, 3, 8])
 def test_dropout_is_replayed_with_the_documented_keys(chunk_size):
     rng = jax.random.key(42)
-    value, _ = check(infonce, mlp, chunk_size, *batch(8, 10), rng=rng)
-    no_dropout, _ = check(infonce, mlp, chunk_size, *batch(8, 10))
+    value, _ = check(loss_fn, query_tower, chunk_size, *batch(8, 10), rng=rng)
+    no_dropout, _ = check(loss_fn, query_tower, chunk_size, *batch(8, 10))
     assert not jnp.allclose(value, no_dropout)  # dropout really was applied
 
 
@@ -134,12 +99,12 @@ def test_keys_follow_fold_in_rule():
 
     def spy(params, x, key):
         seen.append(key)
-        return mlp(params, x, None)
+        return query_tower(params, x, None)
 
     x = batch(4, 11)[0]
     rng = jax.random.key(3)
     # Eager (no jit) so keys are concrete: chunk 1 of input 0 is the tail chunk.
-    gc_jax.cached_value_and_grad(lambda p, a: jnp.sum(a**2), spy, 2)(make_params(), x, rng=rng)
+    gc_jax.cached_value_and_grad(lambda p, a: jnp.sum(a**2), spy, 2)(init_params(), x, rng=rng)
     want = jax.random.fold_in(jax.random.fold_in(rng, 0), 1)
     assert any(
         k is not None
@@ -150,28 +115,28 @@ def test_keys_follow_fold_in_rule():
 
 
 def test_works_with_donation_and_loss_scale():
-    params = make_params()
+    params = init_params()
     q, d = batch(8, 12)
-    want = full_batch_value_and_grad(infonce, mlp, 3, params, q, d)
-    f = jax.jit(gc_jax.cached_value_and_grad(infonce, mlp, 3), donate_argnums=0)
-    got = f(make_params(), q, d, loss_scale=1024.0)
+    want = full_batch_value_and_grad(loss_fn, query_tower, 3, params, q, d)
+    f = jax.jit(gc_jax.cached_value_and_grad(loss_fn, query_tower, 3), donate_argnums=0)
+    got = f(init_params(), q, d, loss_scale=1024.0)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
 
 
 def test_low_precision_encoder_gets_float32_cache():
-    def bf16_mlp(params, x, key):
+    def bf16_tower(params, x, key):
         p = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
-        return mlp(p, x.astype(jnp.bfloat16), key)
+        return query_tower(p, x.astype(jnp.bfloat16), key)
 
     seen = []
 
     def loss(params, q, d):
         seen.append(q.dtype)
-        return infonce(params, q, d)
+        return loss_fn(params, q, d)
 
-    params = make_params()
-    _, grads = jax.jit(gc_jax.cached_value_and_grad(loss, bf16_mlp, 3))(params, *batch(8, 13))
+    params = init_params()
+    _, grads = jax.jit(gc_jax.cached_value_and_grad(loss, bf16_tower, 3))(params, *batch(8, 13))
     assert seen == [jnp.float32]
     chex.assert_trees_all_equal_dtypes(grads, params)
-    _, ref = full_batch_value_and_grad(loss, bf16_mlp, 3, params, *batch(8, 13))
+    _, ref = full_batch_value_and_grad(loss, bf16_tower, 3, params, *batch(8, 13))
     chex.assert_trees_all_close(grads, ref, rtol=5e-2, atol=5e-2)

@@ -1,42 +1,11 @@
 """The same key and inputs give bitwise-identical results across separate compilations."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+from toy import D_IN, doc_tower, init_params, loss_fn, query_tower
 
 import gc_jax
-from gc_jax.losses import contrastive_loss
-
-D_IN, D_HID, D_OUT = 6, 12, 8
-
-
-def init_params():
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    return {
-        "w1": jax.random.normal(k1, (D_IN, D_HID)) / 2,
-        "w2": jax.random.normal(k2, (D_HID, D_OUT)) / 3,
-        "doc": jax.random.normal(k3, (D_IN, D_OUT)) / 2,
-        "log_temp": jnp.array(-0.5),
-    }
-
-
-def query_tower(p, x, key):
-    h = jnp.tanh(x @ p["w1"])
-    if key is not None:
-        h = h * jax.random.bernoulli(key, 0.7, h.shape) / 0.7
-    return h @ p["w2"]
-
-
-def doc_tower(p, x, key):
-    h = jnp.tanh(x @ p["doc"])
-    if key is not None:
-        h = h * jax.random.bernoulli(key, 0.9, h.shape) / 0.9
-    return h
-
-
-def loss_fn(p, q, d):
-    return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]))
 
 
 def data(seed=1, rows=10, k=2):

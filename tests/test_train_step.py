@@ -13,40 +13,15 @@ from flax import struct
 from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from toy import D_IN, ENCODERS, doc_tower, init_params, loss_fn, query_tower
 
 import gc_jax
 from gc_jax.losses import contrastive_loss
 
-D_IN, D_HID, D_OUT = 6, 16, 8
 STEPS = 5
 
 
-def init_params(seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    return {
-        "w1": jax.random.normal(k1, (D_IN, D_HID)) / 2,
-        "w2": jax.random.normal(k2, (D_HID, D_OUT)) / 4,
-        "doc": jax.random.normal(k3, (D_IN, D_OUT)) / 2,
-        "log_temp": jnp.array(-0.5),
-    }
-
-
-def query_tower(p, x, key):
-    h = jnp.tanh(x @ p["w1"])
-    if key is not None:
-        h = h * jax.random.bernoulli(key, 0.8, h.shape) / 0.8
-    return h @ p["w2"]
-
-
-def doc_tower(p, x, key):
-    return jnp.tanh(x @ p["doc"])
-
-
-ENCODERS = (query_tower, doc_tower)
-
-
-def infonce(p, q, d):
-    return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]))
+infonce = loss_fn
 
 
 def infonce_aux(p, q, d):
