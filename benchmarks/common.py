@@ -1,0 +1,252 @@
+"""Shared pieces of the benchmarks: the MLP encoder, the training steps compared, timing.
+
+Every step has the signature ``step(params, queries, documents) -> (loss, grads)``
+and computes the gradient of the same InfoNCE loss
+(``gc_jax.losses.contrastive_loss``) of a tied MLP encoder over the whole batch:
+
+* ``full``: plain ``jax.value_and_grad`` of the full-batch loss;
+* ``remat``: the same with the encoder wrapped in ``jax.checkpoint`` (the whole
+  encoder is one remat block: only its input is saved, its activations are
+  recomputed in the backward pass);
+* ``remat_layers``: every hidden layer under ``jax.checkpoint`` instead (each layer's
+  input is saved, its internals recomputed);
+* ``gc``: ``gc_jax.cached_value_and_grad`` with ``chunk`` rows encoded at a time;
+* ``gc_block``: the same with the blockwise loss (``block_size=``), if the loss has it;
+  ``full_block``, ``remat_layers_block``: the baselines with the blockwise loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import gc_jax
+
+Params = dict[str, Any]
+Step = Callable[[Params, jax.Array, jax.Array], tuple[jax.Array, Params]]
+
+TEMPERATURE = 0.05
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """An MLP encoder: ``depth`` hidden layers ``width -> width`` (GELU), then a projection.
+
+    The first hidden layer maps ``dim_in -> width``; the output is L2-normalised.
+    """
+
+    depth: int = 6
+    width: int = 512
+    dim_in: int = 512
+    dim_out: int = 128
+    dtype: Any = jnp.float32
+
+    def describe(self) -> str:
+        return (
+            f"MLP: {self.depth} hidden layers {self.dim_in}->{self.width}"
+            f"{'->' + str(self.width) if self.depth > 1 else ''} (GELU), "
+            f"projection {self.width}->{self.dim_out}, L2-normalised, "
+            f"{jnp.dtype(self.dtype).name}, {num_params(self):,} parameters"
+        )
+
+
+def num_params(cfg: ModelConfig) -> int:
+    hidden = cfg.dim_in * cfg.width + (cfg.depth - 1) * cfg.width**2 + cfg.depth * cfg.width
+    return hidden + cfg.width * cfg.dim_out + cfg.dim_out
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """He-initialised weights, zero biases."""
+    dims = [cfg.dim_in] + [cfg.width] * cfg.depth + [cfg.dim_out]
+    keys = jax.random.split(key, len(dims) - 1)
+    layers = [
+        {
+            "w": (jax.random.normal(k, (a, b)) * (2.0 / a) ** 0.5).astype(cfg.dtype),
+            "b": jnp.zeros((b,), cfg.dtype),
+        }
+        for k, a, b in zip(keys, dims[:-1], dims[1:], strict=True)
+    ]
+    return {"layers": layers}
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """``ShapeDtypeStruct``s of the parameters (for compiling without allocating)."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def _hidden(layer: Params, x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x @ layer["w"] + layer["b"])
+
+
+def _encode(params: Params, x: jax.Array, hidden: Callable[[Params, jax.Array], jax.Array]):
+    *layers, out = params["layers"]
+    for layer in layers:
+        x = hidden(layer, x)
+    y = x @ out["w"] + out["b"]
+    return y / jnp.linalg.norm(y, axis=-1, keepdims=True)
+
+
+def encode(params: Params, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """The encoder, in ``gc_jax``'s ``encode(params, chunk, key)`` form (no dropout)."""
+    del key
+    return _encode(params, x, _hidden)
+
+
+def encode_remat_layers(params: Params, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """The same encoder with every hidden layer under ``jax.checkpoint``.
+
+    Only each layer's input is saved for the backward pass; the layer's internals
+    (matmul output, GELU intermediates) are recomputed there.
+    """
+    del key
+    return _encode(params, x, jax.checkpoint(_hidden))
+
+
+def has_block_size() -> bool:
+    """Whether ``gc_jax.losses.contrastive_loss`` takes ``block_size=`` (blockwise loss)."""
+    return "block_size" in inspect.signature(gc_jax.losses.contrastive_loss).parameters
+
+
+def loss_fn(block_size: int | None = None) -> Callable[..., jax.Array]:
+    """``loss(params, q_reps, d_reps)``: InfoNCE, dense or in ``block_size`` tiles."""
+    extra = {} if block_size is None else {"block_size": block_size}
+
+    def loss(params: Params, q: jax.Array, d: jax.Array) -> jax.Array:
+        del params
+        return gc_jax.losses.contrastive_loss(q, d, temperature=TEMPERATURE, **extra)
+
+    return loss
+
+
+def full_batch_step(remat: str | None = None, block_size: int | None = None) -> Step:
+    """Plain ``jax.value_and_grad`` of the full-batch loss.
+
+    ``remat``: None, ``"encoder"`` (the whole encoder is one ``jax.checkpoint``
+    block) or ``"layers"`` (every hidden layer is one).
+    """
+    enc = {None: encode, "encoder": jax.checkpoint(encode), "layers": encode_remat_layers}[remat]
+    loss = loss_fn(block_size)
+
+    def total(params: Params, q: jax.Array, d: jax.Array) -> jax.Array:
+        return loss(params, enc(params, q, None), enc(params, d, None))
+
+    return jax.value_and_grad(total)
+
+
+def cached_step(chunk: int, block_size: int | None = None) -> Step:
+    """``gc_jax.cached_value_and_grad`` of the same loss, ``chunk`` rows at a time."""
+    return gc_jax.cached_value_and_grad(loss_fn(block_size), encode, chunk)
+
+
+def make_steps(chunk: int, block_size: int | None, names: Sequence[str]) -> dict[str, Step]:
+    """The named (un-jitted) steps; ``gc_block`` only if the loss supports ``block_size``."""
+    table: dict[str, Callable[[], Step]] = {
+        "full": lambda: full_batch_step(),
+        "remat": lambda: full_batch_step(remat="encoder"),
+        "remat_layers": lambda: full_batch_step(remat="layers"),
+        "gc": lambda: cached_step(chunk),
+        "full_block": lambda: full_batch_step(block_size=block_size),
+        "remat_layers_block": lambda: full_batch_step(remat="layers", block_size=block_size),
+        "gc_block": lambda: cached_step(chunk, block_size),
+    }
+    return {name: table[name]() for name in names if "block" not in name or has_block_size()}
+
+
+def make_batch(cfg: ModelConfig, batch: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Queries and documents; each document is a noisy copy of its query."""
+    kq, kd = jax.random.split(key)
+    q = jax.random.normal(kq, (batch, cfg.dim_in), cfg.dtype)
+    d = q + 0.5 * jax.random.normal(kd, (batch, cfg.dim_in), cfg.dtype)
+    return q, d
+
+
+def time_once(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process, all threads) of one call, waited for."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+@dataclass
+class Timings:
+    """Per-variant lists of wall and CPU seconds, one entry per timed round."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+
+def interleaved_times(
+    fns: dict[str, Callable[..., Any]], args: tuple[Any, ...], reps: int, warmup: int = 1
+) -> Timings:
+    """``reps`` timings of every function, interleaved (a round runs each once, in turn).
+
+    ``warmup`` rounds (compilation included) are run first and discarded. Under a
+    varying machine load, interleaving exposes all variants to the same load, so
+    ratios within one run are meaningful even when absolute times drift. Odd rounds
+    run the variants in reverse order, so no variant always runs first.
+
+    CPU time is a cross-check that other processes disturb less than wall time (it
+    does not count time spent waiting for a core), but it does count XLA's worker
+    threads spinning while they wait for work.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            time_once(fn, *args)
+    out = Timings({name: [] for name in fns}, {name: [] for name in fns})
+    for r in range(reps):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for name in order:
+            wall, cpu = time_once(fns[name], *args)
+            out.wall[name].append(wall)
+            out.cpu[name].append(cpu)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over rounds of ``num[r] / den[r]`` (each pair ran back to back)."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
+def temp_bytes(step: Step, params: Params, batch: int, dim_in: int, dtype: Any) -> int:
+    """XLA's compiled temp buffer size of the jitted step (compiled, never run)."""
+    x = jax.ShapeDtypeStruct((batch, dim_in), dtype)
+    compiled = jax.jit(step).lower(params, x, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def machine() -> str:
+    """One line: CPU model, cores, memory, JAX version and backend, load average."""
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = subprocess.run(["free", "-h"], capture_output=True, text=True).stdout.split()
+        total = mem[mem.index("Mem:") + 1]
+    except (OSError, ValueError, IndexError):
+        total = "?"
+    return (
+        f"{cpu}, nproc={os.cpu_count()}, memory {total}, JAX {jax.__version__} "
+        f"({jax.default_backend()}), {load()}"
+    )
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} {five:.1f} {fifteen:.1f}"

@@ -1,0 +1,159 @@
+"""Compiled temp memory of one training step vs batch size (nothing is executed).
+
+For every batch size the step ``(params, queries, documents) -> (loss, grads)`` is
+jitted, lowered with ``ShapeDtypeStruct``s and compiled; the number reported is
+``compiled.memory_analysis().temp_size_in_bytes``: XLA's buffer for everything that
+is neither an argument nor an output (activations, logits, the cache, gradients in
+flight). Deterministic for a given JAX/XLA version and backend.
+
+Variants (the same InfoNCE loss, ``gc_jax.losses.contrastive_loss``):
+
+* ``full``: plain ``jax.value_and_grad`` over the full batch;
+* ``remat``: the same with the whole encoder under ``jax.checkpoint`` (one remat block);
+* ``remat_layers``: every hidden layer under ``jax.checkpoint`` instead;
+* ``gc``: ``gc_jax.cached_value_and_grad`` with the dense loss;
+* ``remat_layers_block``: per-layer remat with the blockwise loss (the strongest
+  non-caching baseline here);
+* ``gc_block``: ``gc_jax`` with the blockwise loss (``block_size=``).
+
+The blockwise variants are skipped, and reported absent, if ``contrastive_loss``
+takes no ``block_size``.
+
+Usage::
+
+    python benchmarks/memory.py --plot benchmarks/plots/memory_vs_batch.png
+    python benchmarks/memory.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+MIB = 2**20
+VARIANTS = ["full", "remat", "remat_layers", "gc", "remat_layers_block", "gc_block"]
+LABELS = {
+    "full": "full batch (jax.value_and_grad), dense loss",
+    "remat": "full batch, whole encoder under jax.checkpoint",
+    "remat_layers": "full batch, each layer under jax.checkpoint",
+    "gc": "gc_jax, dense loss",
+    "remat_layers_block": "full batch, each layer remat, blockwise loss",
+    "gc_block": "gc_jax, blockwise loss",
+}
+STYLES = {
+    "full": ("o", "-"),
+    "remat": ("s", "-"),
+    "remat_layers": ("D", "-"),
+    "gc": ("^", "-"),
+    "remat_layers_block": ("D", "--"),
+    "gc_block": ("^", "--"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--depth", type=int, default=12, help="hidden layers of the MLP")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--dim-in", type=int, default=512)
+    p.add_argument("--dim-out", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=512, help="tile of the blockwise loss")
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=[256 * 2**i for i in range(9)]
+    )  # 256 .. 65536
+    p.add_argument("--plot", type=Path, default=None, help="write a log-log PNG here")
+    p.add_argument("--json", type=Path, default=None, help="write the raw table here")
+    p.add_argument("--quick", action="store_true", help="small model and batches")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.depth, args.width, args.dim_in, args.dim_out = 4, 128, 128, 32
+        args.chunk, args.block_size, args.batches = 64, 64, [64, 256, 1024]
+    return args
+
+
+def measure(args: argparse.Namespace, cfg: common.ModelConfig) -> dict[str, dict[int, int]]:
+    steps = common.make_steps(args.chunk, args.block_size, VARIANTS)
+    params = common.param_shapes(cfg)
+    table: dict[str, dict[int, int]] = {name: {} for name in steps}
+    header = " | ".join(f"{name} MiB" for name in steps)
+    print(f"| batch | {header} | cache MiB | dense logits MiB |")
+    print("|---:|" + "---:|" * (len(steps) + 2))
+    for batch in args.batches:
+        start = time.perf_counter()
+        for name, step in steps.items():
+            table[name][batch] = common.temp_bytes(step, params, batch, cfg.dim_in, cfg.dtype)
+        cache = 2 * batch * cfg.dim_out * 4  # the two inputs' float32 representations
+        logits = batch * batch * 4
+        cells = " | ".join(f"{table[name][batch] / MIB:,.1f}" for name in steps)
+        print(
+            f"| {batch} | {cells} | {cache / MIB:,.1f} | {logits / MIB:,.1f} |"
+            f"  <!-- compiled in {time.perf_counter() - start:.0f}s -->",
+            flush=True,
+        )
+    return table
+
+
+def plot(path: Path, table: dict[str, dict[int, int]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    for name, row in table.items():
+        batches = sorted(row)
+        marker, line = STYLES[name]
+        ax.plot(
+            batches,
+            [row[b] / MIB for b in batches],
+            marker=marker,
+            linestyle=line,
+            label=LABELS[name],
+        )
+    batches = sorted(next(iter(table.values())))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size B (queries; as many documents)")
+    ax.set_ylabel("compiled temp memory (MiB)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = common.ModelConfig(args.depth, args.width, args.dim_in, args.dim_out)
+    print(f"machine: {common.machine()}")
+    print(f"model: {cfg.describe()}")
+    print(f"chunk {args.chunk}, block_size {args.block_size}; temp_size_in_bytes in MiB:")
+    if not common.has_block_size():
+        print("contrastive_loss has no block_size=: blockwise variants ABSENT")
+    table = measure(args, cfg)
+    if args.plot:
+        title = (
+            f"Compiled temp memory of one step, {cfg.depth}-layer MLP width {cfg.width}, "
+            f"InfoNCE\n(XLA memory_analysis on {jax.default_backend().upper()}; "
+            f"gc_jax chunk {args.chunk}, blockwise tile {args.block_size})"
+        )
+        plot(args.plot, table, title)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": cfg.describe(), "temp_bytes": table}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
