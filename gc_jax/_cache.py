@@ -56,36 +56,57 @@ def _plan(x, chunk_size, index, axis_name, batch_axis) -> _chunking.ChunkPlan:
     return _chunking.make_plan(batch, chunk_size, *_distributed.batch_sharding(x, batch_axis))
 
 
-def _forward(encode, params, plan, x, rng, index, cache_dtype):
-    """Pass 1 for one input: the cached representations and the tail chunk's VJP."""
-    key = lambda c: _chunking.chunk_key(rng, index, c)
-    tail = _chunking.take(x, plan)
-    tail_reps, tail_vjp = jax.vjp(lambda p: encode(p, tail, key(plan.num_body)), params)
-    cache = _chunking.zeros(
-        jax.tree.map(lambda r: r.astype(cache_dtype or _wide(r.dtype)), tail_reps), plan
+def _chunk_encoder(encode, plan, x, rng, index):
+    """``run(params, c)``: chunk ``c`` of the input (None: the tail) encoded with its key."""
+
+    def run(params, c):
+        key = _chunking.chunk_key(rng, index, plan.num_body if c is None else c)
+        return encode(params, _chunking.take(x, plan, c), key)
+
+    return run
+
+
+def _forward(run, params, plan, x, keep_tail, cache_dtype, after=()):
+    """Pass 1 for one input: the cached representations, and the tail's VJP if kept.
+
+    Only the batch's very last chunk keeps its activations (for pass 2), and it is
+    encoded after every other chunk (``after``: the caches already written), so at
+    most one chunk's activations are ever live.
+    """
+    shapes = jax.eval_shape(run, params, None)
+    like = jax.tree.map(
+        lambda r: jax.ShapeDtypeStruct(r.shape, cache_dtype or _wide(r.dtype)), shapes
     )
+    vma = _distributed.varying_axes_of((params, x))
+    cache = _chunking.zeros(like, plan, vma)
     if plan.num_body:  # written in place: no stacked copy of the inputs or the cache
-
-        def step(c, cache):
-            reps = encode(params, _chunking.take(x, plan, c), key(c))
-            return _chunking.put(cache, reps, plan, c)
-
+        step = lambda c, cache: _chunking.put(cache, run(params, c), plan, c)
         cache = jax.lax.fori_loop(0, plan.num_body, step, cache)
-    return _chunking.put(cache, tail_reps, plan), (tail_reps, tail_vjp)
+    if not keep_tail:
+        return _chunking.put(cache, run(params, None), plan), None
+    # The barrier orders the kept chunk's forward after all other pass-1 work.
+    (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
+    tail_reps, tail_vjp = jax.vjp(lambda p: run(p, None), params)
+    return _chunking.put(cache, tail_reps, plan), tail_vjp
 
 
-def _backward(encode, params, plan, x, rep_grad, rng, index, tail, acc):
+def _backward(run, params, plan, rep_grad, tail_vjp, acc):
     """Pass 2 for one input: accumulates the parameter gradient of every chunk."""
-    tail_reps, tail_vjp = tail
     add = lambda a, g: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)
-    cotangent = lambda c: _cast(_chunking.take(rep_grad, plan, c), tail_reps)
+    shapes = jax.eval_shape(run, params, None)
+    cotangent = lambda c: _cast(_chunking.take(rep_grad, plan, c), shapes)
+    if tail_vjp is None:  # re-encode the tail, as every other chunk
+        # The barrier makes the re-encoding wait for the gradient so far: XLA can
+        # neither hoist it next to pass 1 nor merge it with pass 1's forward.
+        acc, params = jax.lax.optimization_barrier((acc, params))
+        tail_vjp = jax.vjp(lambda p: run(p, None), params)[1]
     acc = add(acc, tail_vjp(cotangent(None))[0])
     if not plan.num_body:
         return acc
+    acc, params = jax.lax.optimization_barrier((acc, params))
 
     def step(c, acc):
-        key = _chunking.chunk_key(rng, index, c)
-        _, vjp = jax.vjp(lambda p: encode(p, _chunking.take(x, plan, c), key), params)
+        _, vjp = jax.vjp(lambda p: run(p, c), params)
         return add(acc, vjp(cotangent(c))[0])
 
     return jax.lax.fori_loop(0, plan.num_body, step, acc)
@@ -184,11 +205,17 @@ def cached_value_and_grad(
             _plan(x, size, i, axis_name, batch_axis)
             for i, (x, size) in enumerate(zip(inputs, sizes, strict=True))
         ]
-        passes = [
-            _forward(encs[i], pparams, plan, inputs[i], rng, i, cache_dtype)
-            for i, plan in enumerate(plans)
+        runs = [
+            _chunk_encoder(e, plan, x, rng, i)
+            for i, (e, plan, x) in enumerate(zip(encs, plans, inputs, strict=True))
         ]
-        reps = tuple(cache for cache, _ in passes)
+        reps, last_vjp = [], None
+        for i, (run, plan) in enumerate(zip(runs, plans, strict=True)):
+            last = i == n - 1
+            cache, vjp = _forward(run, pparams, plan, inputs[i], last, cache_dtype, tuple(reps))
+            reps.append(cache)
+            last_vjp = vjp if last else None
+        reps = tuple(reps)
 
         def loss_of(p, reps):
             return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
@@ -199,9 +226,9 @@ def cached_value_and_grad(
         acc = jax.tree.map(lambda g: g.astype(_wide(g.dtype)), acc)
         if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
             acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
-        for i, plan in enumerate(plans):
-            tail = passes[i][1]
-            acc = _backward(encs[i], pparams, plan, inputs[i], rep_grads[i], rng, i, tail, acc)
+        for i in reversed(range(n)):  # the kept chunk first, freeing its activations
+            vjp = last_vjp if i == n - 1 else None
+            acc = _backward(runs[i], pparams, plans[i], rep_grads[i], vjp, acc)
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
         grads = _cast(_distributed.reduce_grads(acc, axis_name), params)

@@ -19,8 +19,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed
-
 PyTree = Any
 
 
@@ -55,19 +53,20 @@ def make_plan(
     return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail, sharding)
 
 
-def zeros(like: PyTree, plan: ChunkPlan, dtype: Any = None) -> PyTree:
-    """A batch-sized buffer for chunks shaped like ``like``, sharded like the batch."""
+def zeros(like: PyTree, plan: ChunkPlan, vma: tuple = ()) -> PyTree:
+    """A batch-sized buffer for chunks shaped like ``like``, sharded like the batch.
+
+    ``vma``: the ``shard_map`` axes the chunks written into it vary over.
+    """
 
     def one(r):
-        buf = jnp.zeros((plan.batch_size, *r.shape[1:]), dtype or r.dtype)
-        vma = _distributed.varying_axes(r)
-        if vma:  # per-device under shard_map, like the chunks written into it
+        buf = jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype)
+        if vma:
             buf = jax.lax.pcast(buf, vma, to="varying")
         if plan.sharding is None:
             return buf
-        explicit = jax.sharding.AxisType.Explicit in plan.sharding.mesh.axis_types
-        if explicit:  # the sharding is part of the type
-            return jax.sharding.reshard(buf, plan.sharding)
+        if jax.sharding.AxisType.Explicit in plan.sharding.mesh.axis_types:
+            return jax.sharding.reshard(buf, plan.sharding)  # the sharding is in the type
         return jax.lax.with_sharding_constraint(buf, plan.sharding)
 
     return jax.tree.map(one, like)

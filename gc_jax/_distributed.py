@@ -56,6 +56,12 @@ def varying_axes(x: jax.Array) -> tuple:
     return tuple(vma)
 
 
+def varying_axes_of(tree: PyTree) -> tuple:
+    """The manual mesh axes any leaf of ``tree`` varies over."""
+    axes = {a for leaf in jax.tree.leaves(tree) for a in varying_axes(leaf)}
+    return tuple(sorted(axes, key=str))
+
+
 def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     """Marks replicated values as per-device, so their cotangents are not all-reduced.
 
