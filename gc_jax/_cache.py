@@ -209,13 +209,10 @@ def cached_value_and_grad(
             _chunk_encoder(e, plan, x, rng, i)
             for i, (e, plan, x) in enumerate(zip(encs, plans, inputs, strict=True))
         ]
-        reps, last_vjp = [], None
+        reps = ()
         for i, (run, plan) in enumerate(zip(runs, plans, strict=True)):
-            last = i == n - 1
-            cache, vjp = _forward(run, pparams, plan, inputs[i], last, cache_dtype, tuple(reps))
-            reps.append(cache)
-            last_vjp = vjp if last else None
-        reps = tuple(reps)
+            cache, kept_vjp = _forward(run, pparams, plan, inputs[i], i == n - 1, cache_dtype, reps)
+            reps += (cache,)
 
         def loss_of(p, reps):
             return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
@@ -227,7 +224,7 @@ def cached_value_and_grad(
         if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
             acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
         for i in reversed(range(n)):  # the kept chunk first, freeing its activations
-            vjp = last_vjp if i == n - 1 else None
+            vjp = kept_vjp if i == n - 1 else None
             acc = _backward(runs[i], pparams, plans[i], rep_grads[i], vjp, acc)
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
