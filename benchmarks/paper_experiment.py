@@ -132,27 +132,6 @@ def loss_fn(params: Params, queries: jax.Array, documents: jax.Array) -> jax.Arr
     return gc_jax.losses.contrastive_loss(queries, documents, temperature=temperature)
 
 
-def make_optimizer(peak_lr: float, batch: int, total_examples: int) -> optax.GradientTransformation:
-    """``dual_encoder.make_optimizer``'s recipe with its schedule in examples seen.
-
-    Update ``k`` of a batch-``batch`` setting uses the rate of example ``k * batch``, so
-    every setting follows the same warmup and cosine decay per example.
-    """
-    per_example = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=peak_lr,
-        warmup_steps=max(1, total_examples // 10),
-        decay_steps=max(2, total_examples),
-        end_value=peak_lr / 10,
-    )
-    schedule = lambda count: per_example(count * batch)
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, weight_decay=0.01, mask=decay_mask),
-    )
-
-
 def make_step(
     loss_and_grads: Callable[..., tuple[jax.Array, Params]],
     optimizer: optax.GradientTransformation,
@@ -266,7 +245,8 @@ class Run:
 def run_setting(setting, grad_fn, model, params0, train, evaluate, args) -> Run:
     total = args.steps * args.big
     updates = total // setting.batch
-    optimizer = make_optimizer(setting.peak_lr, setting.batch, total)
+    # The schedule counts examples seen, so every setting follows it per example.
+    optimizer = dual_encoder.make_optimizer(setting.peak_lr, total, units_per_update=setting.batch)
     step = jax.jit(make_step(grad_fn, optimizer), donate_argnums=(0, 1))
     params = jax.tree.map(jnp.array, params0)  # a fresh copy: the step donates it
     opt_state = optimizer.init(params)

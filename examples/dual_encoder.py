@@ -185,15 +185,22 @@ def tokenize(tokenizer, pairs: Sequence[retrieval_data.Pair], defaults: ModelDef
     )
 
 
-def make_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformation:
-    """AdamW with warmup and cosine decay; no weight decay on biases, norms, temperature."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def make_optimizer(
+    learning_rate: float, steps: int, units_per_update: int = 1
+) -> optax.GradientTransformation:
+    """AdamW with warmup and cosine decay; no weight decay on biases, norms, temperature.
+
+    The schedule spans ``steps`` units (updates by default); update ``k`` uses the rate
+    of unit ``k * units_per_update`` (e.g. counting examples: ``units_per_update=batch``).
+    """
+    per_unit = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=learning_rate,
         warmup_steps=max(1, steps // 10),
         decay_steps=max(2, steps),
         end_value=learning_rate / 10,
     )
+    schedule = lambda count: per_unit(count * units_per_update)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     return optax.chain(
         optax.clip_by_global_norm(1.0),
