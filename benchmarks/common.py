@@ -25,6 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -250,3 +251,11 @@ def machine() -> str:
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.1f} {five:.1f} {fifteen:.1f}"
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Writes a matplotlib figure to ``path`` (creating its folder) and says so."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"wrote {path}")

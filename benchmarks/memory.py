@@ -127,10 +127,7 @@ def plot(path: Path, table: dict[str, dict[int, int]], title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    print(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

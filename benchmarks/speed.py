@@ -182,10 +182,7 @@ def plot(path: Path, results: dict[int, common.Timings], title: str) -> None:
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    print(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
