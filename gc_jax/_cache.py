@@ -209,10 +209,15 @@ def cached_value_and_grad(
             _chunk_encoder(e, plan, x, rng, i)
             for i, (e, plan, x) in enumerate(zip(encs, plans, inputs, strict=True))
         ]
-        reps = ()
+        # Only the batch's last chunk stays live from pass 1, unless every input is a
+        # single chunk: that is plain full-batch training, which re-encodes nothing.
+        keep_all = all(plan.num_body == 0 for plan in plans)
+        reps, kept_vjps = (), []
         for i, (run, plan) in enumerate(zip(runs, plans, strict=True)):
-            cache, kept_vjp = _forward(run, pparams, plan, inputs[i], i == n - 1, cache_dtype, reps)
+            keep = keep_all or i == n - 1
+            cache, vjp = _forward(run, pparams, plan, inputs[i], keep, cache_dtype, reps)
             reps += (cache,)
+            kept_vjps.append(vjp)
 
         def loss_of(p, reps):
             return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
@@ -224,8 +229,7 @@ def cached_value_and_grad(
         if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
             acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
         for i in reversed(range(n)):  # the kept chunk first, freeing its activations
-            vjp = kept_vjp if i == n - 1 else None
-            acc = _backward(runs[i], pparams, plans[i], rep_grads[i], vjp, acc)
+            acc = _backward(runs[i], pparams, plans[i], rep_grads[i], kept_vjps[i], acc)
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
         grads = _cast(_distributed.reduce_grads(acc, axis_name), params)
