@@ -12,9 +12,10 @@ encoded batches, computed in three steps:
    representation gradient is pulled back to the parameters, accumulated in the
    carry of the loop (never stacked per chunk).
 
-The last chunk of each input is encoded under ``jax.vjp`` already in pass 1 and its
-activations stay live until pass 2, which saves one forward per input (all of them
-when one chunk holds the whole batch, which is then plain full-batch training).
+The batch's very last chunk (of the last input) is encoded under ``jax.vjp`` already
+in pass 1 and its activations stay live until pass 2, saving one forward without
+ever holding two chunks' activations. When every input is a single chunk, every
+input's VJP is kept: that is plain full-batch training, with nothing re-encoded.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def _chunk_encoder(encode, plan, x, rng, index):
 def _forward(run, params, plan, x, keep_tail, cache_dtype, after=()):
     """Pass 1 for one input: the cached representations, and the tail's VJP if kept.
 
-    Only the batch's very last chunk keeps its activations (for pass 2), and it is
-    encoded after every other chunk (``after``: the caches already written), so at
-    most one chunk's activations are ever live.
+    A kept chunk (see the module docstring) is encoded after every other chunk
+    (``after``: the caches already written), so no other chunk's activations
+    overlap with it.
     """
     shapes = jax.eval_shape(run, params, None)
     like = jax.tree.map(
