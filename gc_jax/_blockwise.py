@@ -14,10 +14,17 @@ a running ``se = sum(exp(z - mx))``; a new tile with maximum ``mx'`` rescales
 *Custom VJP*: letting autodiff differentiate the scan would save every tile. Instead
 the forward saves only the inputs and one statistic per row (the LSE), and the
 backward recomputes each tile's logits to form ``dz = g * dloss/dz`` (``softmax - 1
-at the target`` for softmax, ``sigmoid(z) - label`` for sigmoid), accumulating
-``dx``, ``dys``, ``dscale = sum(dz * x @ ys.T)`` and ``dbias = sum(dz)`` tile by tile.
-Gathering ``ys`` across devices happens outside, so its transpose (a reduce-scatter)
-is left to JAX.
+at the target`` for softmax, ``sigmoid(z) - label`` for sigmoid). It sweeps twice:
+over query blocks for ``dx``, ``dscale = sum(dz * x @ ys.T)`` and ``dbias = sum(dz)``,
+and over key blocks for ``dys``, so that no batch-sized gradient is carried across
+blocks. Gathering ``ys`` across devices happens outside, so its transpose (a
+reduce-scatter) is left to JAX.
+
+*Precision*: tiles, per-row statistics and per-block gradients are computed in the
+*accumulation dtype*, the inputs' dtype widened to at least float32 (the scalars'
+dtype). ``x`` and ``ys`` are never cast whole: bfloat16 or float16 rows stay narrow,
+each tile's product is accumulated in float32 (``preferred_element_type``), and the
+gradients of ``x`` and ``ys`` come back in their own dtypes.
 """
 
 from __future__ import annotations
@@ -108,8 +115,8 @@ def _tile(
     scale: Scalar,
     bias: Scalar,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One tile: raw scores ``xq @ yk.T``, logits, real columns, and target positions."""
-    raw = xq @ yk.T
+    """One tile: raw scores ``xq @ yk.T`` (in ``scale``'s dtype), logits, real columns, targets."""
+    raw = jnp.matmul(xq, yk.T, preferred_element_type=scale.dtype)
     cols = start + jnp.arange(yk.shape[0])
     return raw, scale * raw + bias, (cols < m)[None, :], cols[None, :] == targets[:, None]
 
@@ -134,6 +141,10 @@ def _varying_like(tree: Any, *others: jax.Array) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def _zeros(shape: tuple, dtype: Any, *like: jax.Array) -> jax.Array:
+    return _varying_like(jnp.zeros(shape, dtype), *like)
+
+
 def _forward(
     kind: Kind,
     block: int,
@@ -145,8 +156,7 @@ def _forward(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-row losses and statistics: ``lax.map`` over query blocks, ``scan`` over ``ys``."""
     bq, bk = _sizes(block, x, ys)
-    y_blocks = _blocks(ys, bk)
-    starts = jnp.arange(y_blocks.shape[0]) * bk
+    keys = (_blocks(ys, bk), jnp.arange(-(-ys.shape[0] // bk)) * bk)
 
     def query_block(args):
         xq, tq = args
@@ -156,9 +166,8 @@ def _forward(
             _, z, valid, pos = _tile(xq, yk, tq, start, ys.shape[0], scale, bias)
             return kind.update(carry, z, valid, pos), None
 
-        init = _varying_like(kind.init(bq, x.dtype), x, ys)
-        carry, _ = jax.lax.scan(step, init, (y_blocks, starts))
-        return kind.finish(carry)
+        init = _varying_like(kind.init(bq, scale.dtype), x, ys)
+        return kind.finish(jax.lax.scan(step, init, keys)[0])
 
     loss, stat = jax.lax.map(query_block, (_blocks(x, bq), _blocks(targets, bq)))
     return _unblock(loss, x.shape[0]), _unblock(stat, x.shape[0])
@@ -177,33 +186,44 @@ def _backward(
 ) -> tuple[jax.Array, jax.Array, Scalar, Scalar]:
     """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile.
 
-    A ``scan`` over query blocks carries ``dys`` (and the scalars); the inner ``scan``
-    over ``ys`` blocks carries the query block's ``dx``.
+    Two sweeps recompute every tile's ``dz``: one over query blocks sums each block's
+    ``dx`` (and the scalars' gradients) over the key blocks, one over key blocks sums
+    each block's ``dy`` over the query blocks. Each block's gradient is accumulated in
+    ``scale``'s dtype and written in its input's dtype, so no batch-sized array ever
+    exists in a wider dtype than the inputs'.
     """
     bq, bk = _sizes(block, x, ys)
-    y_blocks = _blocks(ys, bk)
-    keys = (y_blocks, jnp.arange(y_blocks.shape[0]))
+    m, acc = ys.shape[0], scale.dtype
+    queries = tuple(_blocks(v, bq) for v in (x, targets, stat, g))
+    keys = (_blocks(ys, bk), jnp.arange(-(-m // bk)) * bk)
 
-    def query_block(carry, args):
-        xq, tq, sq, gq = args
+    def dlogits(xq, tq, sq, gq, yk, start):
+        raw, z, valid, pos = _tile(xq, yk, tq, start, m, scale, bias)
+        return raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
 
+    def query_block(scalars, query):
         def step(carry, key):
-            dxq, dy, dscale, dbias = carry
-            yk, j = key
-            raw, z, valid, pos = _tile(xq, yk, tq, j * bk, ys.shape[0], scale, bias)
-            dz = gq[:, None] * kind.dlogits(z, valid, pos, sq)
-            dy = dy.at[j].add(scale * (dz.T @ xq))
-            return (dxq + scale * (dz @ yk), dy, dscale + (dz * raw).sum(), dbias + dz.sum()), None
+            dxq, dscale, dbias = carry
+            raw, dz = dlogits(*query, *key)
+            dxq = dxq + jnp.matmul(dz, key[0], preferred_element_type=acc)
+            return (dxq, dscale + (dz * raw).sum(), dbias + dz.sum()), None
 
-        (dxq, *carry), _ = jax.lax.scan(step, (jnp.zeros_like(xq), *carry), keys)
-        return tuple(carry), dxq
+        init = (_zeros((bq, x.shape[1]), acc, x, ys), *scalars)
+        dxq, *scalars = jax.lax.scan(step, init, keys)[0]
+        return tuple(scalars), (scale * dxq).astype(x.dtype)
 
-    zero = _varying_like(jnp.zeros((), x.dtype), x, ys)
-    per_query = tuple(_blocks(v, bq) for v in (x, targets, stat, g))
-    (dy, dscale, dbias), dx = jax.lax.scan(
-        query_block, (jnp.zeros_like(y_blocks), zero, zero), per_query
-    )
-    return _unblock(dx, x.shape[0]), _unblock(dy, ys.shape[0]), dscale, dbias
+    def key_block(key):
+        def step(dyk, query):
+            _, dz = dlogits(*query, *key)
+            return dyk + jnp.matmul(dz.T, query[0], preferred_element_type=acc), None
+
+        dyk = jax.lax.scan(step, _zeros((bk, ys.shape[1]), acc, x, ys), queries)[0]
+        return (scale * dyk).astype(ys.dtype)
+
+    zero = _zeros((), acc, x, ys)
+    (dscale, dbias), dx = jax.lax.scan(query_block, (zero, zero), queries)
+    dys = jax.lax.map(key_block, keys)
+    return _unblock(dx, x.shape[0]), _unblock(dys, m), dscale, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -226,6 +246,11 @@ def _rowwise_bwd(kind, block, res, g):
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
+def accumulation_dtype(*values: Any) -> jnp.dtype:
+    """The dtype losses are computed in: the values' common dtype, at least float32."""
+    return jnp.promote_types(jnp.result_type(*values), jnp.float32)
+
+
 def _call(
     kind: Kind,
     x: jax.Array,
@@ -235,10 +260,12 @@ def _call(
     bias: float | jax.Array,
     block_size: int,
 ) -> jax.Array:
-    """Casts the inputs to one dtype and the scalars to vary like the rows, then runs."""
-    dtype = jnp.result_type(x, ys, scale, bias)
-    x, ys, scale, bias = (jnp.asarray(v, dtype) for v in (x, ys, scale, bias))
-    scale, bias = _varying_like((scale, bias), x, ys)
+    """Casts the scalars to the accumulation dtype, varying like the rows, then runs.
+
+    ``x`` and ``ys`` keep their dtypes: only tiles are computed in the wider dtype.
+    """
+    acc = accumulation_dtype(x, ys, scale, bias)
+    scale, bias = _varying_like((jnp.asarray(scale, acc), jnp.asarray(bias, acc)), x, ys)
     return _rowwise(kind, block_size, x, ys, targets, scale, bias)
 
 

@@ -31,8 +31,31 @@ def axis_index_offset(rows: int, axis_name: AxisName) -> jax.Array:
     return jax.lax.axis_index(axis_name) * rows
 
 
+def varies_over(x: jax.Array, axis_name: AxisName) -> bool:
+    """Whether ``x`` is typed as varying over every axis of ``axis_name``.
+
+    True only inside ``shard_map`` with its replication check on (``check_vma=True``,
+    the default), for a value computed from per-device data. Under ``pmap``, ``vmap``
+    or ``shard_map(check_vma=False)`` values carry no such type: False.
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return set(names) <= set(varying_axes(x))
+
+
 def global_loss(local_share: jax.Array, axis_name: AxisName | None) -> jax.Array:
     """The global loss as a value, with the gradient of this device's share.
+
+    Under ``shard_map`` (with its default ``check_vma=True``) a share computed from
+    per-device data is typed as varying, and the result is ``psum(local_share)``,
+    typed as replicated, so it can be returned with ``out_specs=P()``: the transpose of
+    ``psum`` on a varying value is a ``pvary``, which hands each device the gradient of
+    its own share. Under ``pmap``, ``vmap`` or ``shard_map(check_vma=False)`` the
+    result is ``local_share + stop_gradient(psum(local_share) - local_share)``: the
+    same value, and again the gradient of this device's share only.
+
+    Either way, summing the per-device gradients of parameters cast to varying (a
+    ``psum``, as ``gc_jax`` does once per step) gives the gradient of the global loss,
+    and a replicated parameter used under ``shard_map`` gets it directly.
 
     Args:
       local_share: this device's part of the loss; the global loss is their sum.
@@ -52,10 +75,27 @@ def global_loss(local_share: jax.Array, axis_name: AxisName | None) -> jax.Array
       >>> value, grad = jax.vmap(jax.value_and_grad(loss), axis_name="d")(x)
       >>> value.tolist(), grad.tolist()
       ([3.5, 3.5], [[0.0, 0.5], [1.0, 1.5]])
+
+      Under ``shard_map`` the loss is replicated, so ``out_specs=P()`` is allowed:
+
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("d",))
+      >>> rows = jax.device_put(jnp.arange(8.0 * jax.device_count()).reshape(-1, 2),
+      ...                       NamedSharding(mesh, P("d")))
+      >>> mean_square = lambda x: gc_jax.global_loss(jnp.sum(x**2) / rows.size, "d")
+      >>> step = jax.shard_map(jax.value_and_grad(mean_square), mesh=mesh,
+      ...                      in_specs=P("d"), out_specs=(P(), P("d")))
+      >>> value, grad = jax.jit(step)(rows)
+      >>> bool(jnp.allclose(value, jnp.mean(rows**2)))
+      True
+      >>> bool(jnp.allclose(grad, 2 * rows / rows.size))
+      True
     """
     if axis_name is None:
         return local_share
     total = jax.lax.psum(local_share, axis_name)
+    if varies_over(local_share, axis_name):
+        return total
     return local_share + jax.lax.stop_gradient(total - local_share)
 
 
@@ -93,22 +133,53 @@ def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
-def batch_sharding(tree: PyTree, batch_axis: AxisName | None = None) -> tuple[int, Any]:
-    """How the leading axis of ``tree`` is sharded under plain ``jit``.
-
-    Under explicit mesh axes this is read from the array types. Under auto axes the
-    sharding is not in the type, so ``batch_axis`` names the mesh axes the batch is
-    sharded over, looked up in the mesh set with ``jax.set_mesh``.
-
-    Returns:
-      ``(num_shards, sharding)``: the number of shards of the leading axis, and a
-      sharding that shards a new batch-sized array the same way (None if unsharded).
-    """
-    leaf = jax.tree.leaves(tree)[0]
+def _leading_axes(leaf: jax.Array) -> tuple[Any, Any]:
+    """``(mesh, axes)`` the leading axis of ``leaf`` is sharded over in its type, or None."""
     sharding = getattr(jax.typeof(leaf), "sharding", None)
     spec = getattr(sharding, "spec", None)
     if spec and spec[0] is not None:
-        mesh, axes = sharding.mesh, spec[0]
+        return sharding.mesh, spec[0]
+    return None
+
+
+def _with_leading(leaf: jax.Array, mesh: Any, axes: Any) -> jax.Array:
+    """``leaf`` resharded so that its leading axis is split over ``axes`` (a free slice)."""
+    spec = tuple(getattr(jax.typeof(leaf).sharding, "spec", ()) or ())
+    rest = spec[1:] + (None,) * (leaf.ndim - max(len(spec), 1))
+    return jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec(axes, *rest)))
+
+
+def batch_sharding(
+    tree: PyTree, batch_axis: AxisName | None = None, name: str = "inputs"
+) -> tuple[PyTree, int, Any]:
+    """How the leading axis of ``tree`` is sharded under plain ``jit``.
+
+    Under explicit mesh axes this is read from the array types; leaves whose leading
+    axis is replicated are resharded like the sharded ones (each device keeps its
+    slice), so every leaf is cut the same way. Under auto axes the sharding is not in
+    the type, so ``batch_axis`` names the mesh axes the batch is sharded over, looked
+    up in the mesh set with ``jax.set_mesh``.
+
+    Returns:
+      ``(tree, num_shards, sharding)``: the tree (resharded where needed), the number
+      of shards of the leading axis, and a sharding that shards a new batch-sized
+      array the same way (None if unsharded).
+    """
+    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    found = {jax.tree_util.keystr(p): _leading_axes(x) for p, x in paths_leaves}
+    sharded = {k: v for k, v in found.items() if v is not None}
+    if len({(m, a if isinstance(a, tuple) else (a,)) for m, a in sharded.values()}) > 1:
+        listing = ", ".join(f"{name}{k}: {a!r}" for k, (_, a) in sharded.items())
+        raise ValueError(
+            f"the leaves of {name} are sharded over different mesh axes along the batch "
+            f"axis ({listing}); shard every leaf's leading axis the same way, e.g. with "
+            "jax.device_put(x, NamedSharding(mesh, P('data')))."
+        )
+    if sharded:
+        mesh, axes = next(iter(sharded.values()))
+        if len(sharded) < len(found):
+            fix = lambda x: x if _leading_axes(x) is not None else _with_leading(x, mesh, axes)
+            tree = jax.tree.map(fix, tree)
     elif batch_axis is not None:
         mesh, axes = jax.sharding.get_abstract_mesh(), batch_axis
         names = axes if isinstance(axes, tuple) else (axes,)
@@ -119,9 +190,16 @@ def batch_sharding(tree: PyTree, batch_axis: AxisName | None = None) -> tuple[in
                 "`with jax.set_mesh(mesh):`."
             )
     else:
-        return 1, None
+        return tree, 1, None
     names = axes if isinstance(axes, tuple) else (axes,)
-    return math.prod(mesh.shape[a] for a in names), NamedSharding(mesh, PartitionSpec(axes))
+    shards = math.prod(mesh.shape[a] for a in names)
+    rows = paths_leaves[0][1].shape[0]
+    if rows % shards:
+        raise ValueError(
+            f"{name} has {rows} rows, which the {shards} shards of mesh axes {axes!r} do "
+            f"not divide; use a batch size that is a multiple of {shards}."
+        )
+    return tree, shards, NamedSharding(mesh, PartitionSpec(axes))
 
 
 def reduce_grads(grads: PyTree, axis_name: AxisName | None) -> PyTree:
@@ -133,6 +211,73 @@ def reduce_grads(grads: PyTree, axis_name: AxisName | None) -> PyTree:
 
 def replicated_loss(loss: jax.Array, axis_name: AxisName | None) -> jax.Array:
     """Returns the (already global) loss typed as replicated, for ``out_specs=P()``."""
+    varying = tuple(a for a in _names(axis_name) if a in varying_axes(loss))
+    return jax.lax.pmean(loss, varying) if varying else loss
+
+
+def _names(axis_name: AxisName | None) -> tuple:
     if axis_name is None:
-        return loss
-    return jax.lax.pmean(loss, axis_name)
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "reduce_scatter", "ppermute", "all_to_all")
+
+
+def collective_axes(jaxpr: Any) -> set:
+    """The named axes that the collectives of ``jaxpr`` (and its inner jaxprs) run over."""
+    from jax.extend import core as jex_core
+
+    found: set = set()
+
+    def visit(value):
+        if isinstance(value, jex_core.ClosedJaxpr):
+            value = value.jaxpr
+        if isinstance(value, jex_core.Jaxpr):
+            for eqn in value.eqns:
+                if any(c in eqn.primitive.name for c in _COLLECTIVES):
+                    axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
+                    found.update(a for a in _names(axes) if not isinstance(a, int))
+                for param in eqn.params.values():
+                    visit(param)
+        elif isinstance(value, tuple | list):
+            for v in value:
+                visit(v)
+
+    visit(jaxpr)
+    return found
+
+
+def check_loss_axes(loss_axes: set, axis_name: AxisName | None, inputs_vary: tuple) -> None:
+    """Raises unless the loss's collectives and the core's ``axis_name`` agree.
+
+    ``loss_axes``: the axes the loss communicates over (:func:`collective_axes`);
+    ``inputs_vary``: the ``shard_map`` axes the inputs vary over.
+    """
+    names = set(_names(axis_name))
+    if names and not loss_axes & names:
+        raise ValueError(
+            f"axis_name={axis_name!r} was given, but loss_fn communicates over no axis "
+            f"{'' if not loss_axes else '(only ' + repr(sorted(loss_axes, key=str)) + ') '}"
+            "of it: it would return this device's local loss while gc_jax sums the "
+            f"gradients over {axis_name!r}, so loss and gradients would both be wrong. Pass "
+            f"axis_name={axis_name!r} to the loss too (e.g. gc_jax.losses.contrastive_loss(q, "
+            f"d, axis_name={axis_name!r})), or gather the representations in your loss "
+            "(gc_jax.functional.gather_inputs, gc_jax.global_loss)."
+        )
+    if not names and loss_axes:
+        axes = sorted(loss_axes, key=str)
+        raise ValueError(
+            f"loss_fn communicates over mesh axes {axes} but axis_name was not given, so "
+            "the per-device gradients would never be summed. Pass "
+            f"axis_name={axes[0] if len(axes) == 1 else tuple(axes)!r} to "
+            "cached_value_and_grad (or make_train_step / GradCache)."
+        )
+    missing = [a for a in inputs_vary if a not in names]
+    if missing:
+        raise ValueError(
+            f"the inputs vary over mesh axes {missing} (inside shard_map) but "
+            f"axis_name={axis_name!r} does not name them: each device would train on its "
+            f"own rows alone. Pass axis_name={missing[0] if len(missing) == 1 else tuple(missing)!r}"
+            " here and to the loss."
+        )

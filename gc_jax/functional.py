@@ -131,6 +131,14 @@ def cat_inputs(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def _global(loss: jax.Array, axis_name: Any) -> jax.Array:
+    """The global loss ``loss`` (computed whole on every device) with 1/D of its gradient."""
+    d = jax.lax.axis_size(axis_name)
+    if _distributed.varies_over(loss, axis_name):  # shard_map: psum transposes to pvary
+        return jax.lax.psum(loss / d, axis_name)
+    return loss / d + jax.lax.stop_gradient(loss - loss / d)
+
+
 def gather_inputs(
     axis_name: Any,
     *,
@@ -144,15 +152,18 @@ def gather_inputs(
     batch. Every device then computes the same global loss ``L``. Differentiated
     naively, the transpose of ``all_gather`` (a reduce-scatter) would sum ``D``
     identical contributions into each device's input gradient, so the decorated loss
-    returns ``L / D + stop_gradient(L - L / D)``: the value ``L`` with ``1 / D`` of the
-    gradient. Each device's input gradient is then exactly its rows of the global
-    gradient, and summing the per-device parameter gradients once per step (a
-    ``psum``, as ``gc_jax`` does) gives exactly the global gradient, for encoder
-    parameters and learnable loss parameters (e.g. a temperature) alike.
+    returns the value ``L`` with ``1 / D`` of the gradient: ``psum(L / D)`` under
+    ``shard_map`` (typed as replicated, so it can be returned with ``out_specs=P()``),
+    ``L / D + stop_gradient(L - L / D)`` under ``pmap`` or
+    ``shard_map(check_vma=False)``. Each device's input gradient is then exactly its
+    rows of the global gradient, and summing the per-device parameter gradients once
+    per step (a ``psum``, as ``gc_jax`` does) gives exactly the global gradient, for
+    encoder parameters and learnable loss parameters (e.g. a temperature) alike.
 
     Under ``shard_map``, cast replicated parameters to varying before
     differentiating (``jax.lax.pcast(params, axis_name, to="varying")``) so that JAX
-    does not insert a ``psum`` of its own, then ``psum`` the gradients yourself.
+    does not insert a ``psum`` of its own, then ``psum`` the gradients yourself; a
+    parameter left replicated gets the global gradient directly.
 
     Args:
       axis_name: the data-parallel axis of ``pmap``/``shard_map``.
@@ -164,7 +175,9 @@ def gather_inputs(
       has_aux: whether the loss returns ``(loss, aux)``; ``aux`` is passed unchanged.
 
     Returns:
-      A decorator for a loss whose gathered arguments hold rows on axis 0.
+      A decorator for a loss whose gathered arguments hold rows on axis 0. The
+      decorated loss returns the global loss on every device (replicated under
+      ``shard_map``).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -177,6 +190,18 @@ def gather_inputs(
       >>> bool(jnp.allclose(values, mean_square(x)))  # the global loss on every device
       True
       >>> bool(jnp.allclose(grads, jax.grad(mean_square)(x)))  # each device: its rows
+      True
+
+      Under ``shard_map`` the loss is replicated: ``out_specs=P()`` for it.
+
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((n,), ("d",))
+      >>> step = jax.shard_map(jax.value_and_grad(gather_inputs("d")(mean_square)),
+      ...                      mesh=mesh, in_specs=P("d"), out_specs=(P(), P("d")))
+      >>> value, grad = jax.jit(step)(jax.device_put(x, NamedSharding(mesh, P("d"))))
+      >>> bool(jnp.allclose(value, mean_square(x)))
+      True
+      >>> bool(jnp.allclose(grad, jax.grad(mean_square)(x)))
       True
     """
     if isinstance(argnums, int):
@@ -202,8 +227,7 @@ def gather_inputs(
             kwargs = {k: pick(v, k in argnames) for k, v in kwargs.items()}
             out = loss_fn(*args, **kwargs)
             loss, aux = _validation.scalar_loss(out, has_aux)
-            d = jax.lax.axis_size(axis_name)
-            loss = loss / d + jax.lax.stop_gradient(loss - loss / d)
+            loss = _global(loss, axis_name)
             return (loss, aux) if has_aux else loss
 
         return wrapped

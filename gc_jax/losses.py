@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gc_jax import _blockwise, _distributed, _validation
@@ -81,22 +82,37 @@ def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> 
     return _distributed.global_loss(share, axis_name)
 
 
-def _replicated(v: jax.Array) -> jax.Array:
-    """``v`` replicated if its type is sharded (``jit`` over explicit mesh axes)."""
-    spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None) or ()
-    return jax.sharding.reshard(v, P()) if any(a is not None for a in spec) else v
+def _resharded(v: jax.Array, spec: P) -> jax.Array:
+    """``v`` resharded to ``spec`` over the mesh in its type, if its type is sharded.
+
+    Under ``jit`` over explicit mesh axes the sharding is part of the type, with or
+    without ``jax.set_mesh``; the mesh is taken from there. Under auto axes (or
+    unsharded) the type has no sharding and ``v`` is returned as is.
+    """
+    sharding = getattr(jax.typeof(v), "sharding", None)
+    current = tuple(getattr(sharding, "spec", None) or ())
+    if not any(a is not None for a in current) or current == tuple(spec):
+        return v
+    return jax.sharding.reshard(v, NamedSharding(sharding.mesh, spec))
 
 
 def _layout(x: jax.Array, ys: jax.Array, block_size: int | None) -> tuple[jax.Array, jax.Array]:
     """Replicates what each device needs under ``jit`` over explicit mesh axes.
 
-    Every device scores its rows of ``x`` against all of ``ys``. The blockwise loops also
-    need all of ``x``, so they run whole on every device: to split them, use
-    ``axis_name`` under ``shard_map``. Without explicit sharding this is a no-op.
+    Every device scores its rows of ``x`` (whole rows: an embedding dim sharded over
+    another axis is gathered) against all of ``ys``. The blockwise loops also need all
+    of ``x``, so they run whole on every device: to split them, use ``axis_name`` under
+    ``shard_map``. Without explicit sharding this is a no-op.
     """
-    if block_size is not None:
-        x = _replicated(x)
-    return x, _replicated(ys)
+    rows = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or (None,)
+    x = _resharded(x, P() if block_size is not None else P(rows[0], None))
+    return x, _resharded(ys, P())
+
+
+def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
+    """``scale * x @ ys.T + bias`` accumulated in at least float32, without casting x or ys."""
+    acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
+    return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
 
 
 def _row_ce(x, ys, targets, scale, block_size: int | None) -> jax.Array:
@@ -104,8 +120,7 @@ def _row_ce(x, ys, targets, scale, block_size: int | None) -> jax.Array:
     x, ys = _layout(x, ys, block_size)
     if block_size is not None:
         return _blockwise.softmax_cross_entropy(x, ys, targets, scale, block_size)
-    logits = scale * (x @ ys.T)
-    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return optax.losses.softmax_cross_entropy_with_integer_labels(_logits(x, ys, scale), targets)
 
 
 def _row_sigmoid(x, ys, targets, scale, bias, block_size: int | None) -> jax.Array:
@@ -113,7 +128,7 @@ def _row_sigmoid(x, ys, targets, scale, bias, block_size: int | None) -> jax.Arr
     x, ys = _layout(x, ys, block_size)
     if block_size is not None:
         return _blockwise.sigmoid_rows(x, ys, targets, scale, bias, block_size)
-    logits = scale * (x @ ys.T) + bias
+    logits = _logits(x, ys, scale, bias)
     labels = 2.0 * jax.nn.one_hot(targets, ys.shape[0], dtype=logits.dtype) - 1.0
     return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
 
