@@ -12,6 +12,7 @@ encoded batches, computed in three steps:
    representation gradient is pulled back to the parameters, accumulated in the
    carry of the loop (never stacked per chunk).
 
+The passes themselves are in ``gc_jax._passes`` (shared with ``chunked_encoder``).
 The batch's very last chunk (of the last input) is encoded under ``jax.vjp`` already
 in pass 1 and its activations stay live until pass 2, saving one forward without
 ever holding two chunks' activations. When every input is a single chunk, every
@@ -20,97 +21,95 @@ input's VJP is kept: that is plain full-batch training, with nothing re-encoded.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _chunking, _distributed, _validation
+from gc_jax import _distributed, _passes, _validation
 
 PyTree = Any
-Encoder = Callable[[PyTree, PyTree, jax.Array | None], PyTree]
+Encoder = _passes.Encoder
+
+# Keywords of the returned function; a loss keyword of the same name could never be passed.
+_OWN_KEYWORDS = ("rng", "loss_scale")
 
 
 def _wide(dtype) -> jnp.dtype:
-    """Float dtypes narrower than float32 are widened (cache, loss, accumulation)."""
+    """Float dtypes narrower than float32 are widened (the gradient accumulator)."""
     return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-def _cast(tree: PyTree, like: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+def _check_loss_keywords(loss_fn: Callable[..., Any]) -> None:
+    try:
+        names = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return
+    for name in _OWN_KEYWORDS:
+        if name in names and names[name].kind != inspect.Parameter.POSITIONAL_ONLY:
+            raise TypeError(
+                f"loss_fn has a parameter named {name!r}, but {name}= is a keyword of the "
+                f"function cached_value_and_grad returns (rng: the encoders' dropout key; "
+                f"loss_scale: float16 loss scaling), so it would never reach the loss. "
+                f"Rename the loss's parameter (e.g. loss_{name}) and pass loss_{name}=..."
+            )
 
 
-def _checked(encode: Encoder, name: str) -> Encoder:
-    def run(params, chunk, key):
-        reps = encode(params, chunk, key)
-        _validation.rows(reps, _validation.leading_size(chunk, "chunk"), name)
-        return reps
-
-    return run
-
-
-def _plan(x, chunk_size, index, axis_name, batch_axis) -> _chunking.ChunkPlan:
-    batch = _validation.leading_size(x, f"inputs[{index}]")
-    if axis_name is not None:  # inside pmap/shard_map: x holds this device's rows
-        return _chunking.make_plan(batch, chunk_size)
-    return _chunking.make_plan(batch, chunk_size, *_distributed.batch_sharding(x, batch_axis))
+def _check_loss_scale(loss_scale: Any) -> None:
+    if loss_scale is None or isinstance(loss_scale, jax.core.Tracer):
+        return
+    value = jnp.asarray(loss_scale)
+    if value.shape != () or not (bool(jnp.isfinite(value)) and float(value) > 0):
+        raise ValueError(
+            f"loss_scale must be a finite positive scalar (or None), got {loss_scale!r}: "
+            "the gradients are divided by it."
+        )
 
 
-def _chunk_encoder(encode, plan, x, rng, index):
-    """``run(params, c)``: chunk ``c`` of the input (None: the tail) encoded with its key."""
+def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder, ...]:
+    if isinstance(encoders, Sequence):
+        encoders = tuple(
+            _validation.callable_arg(e, f"encoders[{i}]") for i, e in enumerate(encoders)
+        )
+        if not encoders:
+            raise ValueError("encoders is an empty sequence; expected one encoder per input.")
+        return encoders
+    return _validation.callable_arg(encoders, "encoders")
 
-    def run(params, c):
-        key = _chunking.chunk_key(rng, index, plan.num_body if c is None else c)
-        return encode(params, _chunking.take(x, plan, c), key)
 
-    return run
+def _split_float(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
+    """The float leaves of ``tree`` and a function putting new ones back in their place."""
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = [_passes.is_float(x) for x in leaves]
+
+    def join(floats):
+        it = iter(floats)
+        return treedef.unflatten([next(it) if m else x for x, m in zip(leaves, mask, strict=True)])
+
+    return [x for x, m in zip(leaves, mask, strict=True) if m], join
 
 
-def _forward(run, params, plan, x, keep_tail, cache_dtype, after=()):
-    """Pass 1 for one input: the cached representations, and the tail's VJP if kept.
+def _loss_and_rep_grads(loss_fn, has_aux, params, reps, scale, axis_name, inputs, kwargs):
+    """Loss, aux, the loss-side parameter gradient and the representation gradients.
 
-    A kept chunk (see the module docstring) is encoded after every other chunk
-    (``after``: the caches already written), so no other chunk's activations
-    overlap with it.
+    The gradient is taken of ``scale * loss`` (float16 loss scaling scales the
+    cotangents where they are made) with respect to the float leaves of ``reps``;
+    integer or boolean outputs (ids, masks) are passed to the loss as they are.
     """
-    shapes = jax.eval_shape(run, params, None)
-    like = jax.tree.map(
-        lambda r: jax.ShapeDtypeStruct(r.shape, cache_dtype or _wide(r.dtype)), shapes
-    )
-    vma = _distributed.varying_axes_of((params, x))
-    cache = _chunking.zeros(like, plan, vma)
-    if plan.num_body:  # written in place: no stacked copy of the inputs or the cache
-        step = lambda c, cache: _chunking.put(cache, run(params, c), plan, c)
-        cache = jax.lax.fori_loop(0, plan.num_body, step, cache)
-    if not keep_tail:
-        return _chunking.put(cache, run(params, None), plan), None
-    # The barrier orders the kept chunk's forward after all other pass-1 work.
-    (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
-    tail_reps, tail_vjp = jax.vjp(lambda p: run(p, None), params)
-    return _chunking.put(cache, tail_reps, plan), tail_vjp
+    floats, join = _split_float(reps)
 
+    def loss_of(p, floats):
+        loss, aux = _validation.scalar_loss(loss_fn(p, *join(floats), **kwargs), has_aux)
+        scaled = loss if scale is None else loss * jnp.asarray(scale, loss.dtype)
+        return scaled, (loss, aux)
 
-def _backward(run, params, plan, rep_grad, tail_vjp, acc):
-    """Pass 2 for one input: accumulates the parameter gradient of every chunk."""
-    add = lambda a, g: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)
-    shapes = jax.eval_shape(run, params, None)
-    cotangent = lambda c: _cast(_chunking.take(rep_grad, plan, c), shapes)
-    if tail_vjp is None:  # re-encode the tail, as every other chunk
-        # The barrier makes the re-encoding wait for the gradient so far: XLA can
-        # neither hoist it next to pass 1 nor merge it with pass 1's forward.
-        acc, params = jax.lax.optimization_barrier((acc, params))
-        tail_vjp = jax.vjp(lambda p: run(p, None), params)[1]
-    acc = add(acc, tail_vjp(cotangent(None))[0])
-    if not plan.num_body:
-        return acc
-    acc, params = jax.lax.optimization_barrier((acc, params))
-
-    def step(c, acc):
-        _, vjp = jax.vjp(lambda p: run(p, c), params)
-        return add(acc, vjp(cotangent(c))[0])
-
-    return jax.lax.fori_loop(0, plan.num_body, step, acc)
+    loss_axes = _distributed.collective_axes(jax.make_jaxpr(loss_of)(params, floats))
+    _distributed.check_loss_axes(loss_axes, axis_name, _distributed.varying_axes_of(inputs))
+    grad_fn = jax.value_and_grad(loss_of, (0, 1), has_aux=True)
+    (_, (loss, aux)), (acc, rep_floats) = grad_fn(params, floats)
+    return loss, aux, acc, join(rep_floats)
 
 
 def cached_value_and_grad(
@@ -144,8 +143,12 @@ def cached_value_and_grad(
         is sharded over (the mesh set with ``jax.set_mesh``), so that every device
         encodes its rows of every chunk at once. Not needed under explicit axes,
         where the sharding is read from the array types.
-      cache_dtype: dtype of the cached representations and of the loss inputs;
-        default: the encoder's dtype widened to at least float32.
+      cache_dtype: dtype of the cached (float) representations, hence of the loss
+        inputs and of the representation gradient; default: the encoder's own output
+        dtype, which loses nothing (the loss sees exactly what it would see in
+        full-batch training) and keeps a bfloat16 encoder's batch-sized memory at
+        half of float32. A narrower dtype saves memory at the cost of rounding the
+        representations; a wider one only costs memory.
 
     Returns:
       ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``
@@ -170,14 +173,8 @@ def cached_value_and_grad(
       (True, (4, 4))
     """
     _validation.callable_arg(loss_fn, "loss_fn")
-    if isinstance(encoders, Sequence):
-        encoders = tuple(
-            _validation.callable_arg(e, f"encoders[{i}]") for i, e in enumerate(encoders)
-        )
-        if not encoders:
-            raise ValueError("encoders is an empty sequence; expected one encoder per input.")
-    else:
-        _validation.callable_arg(encoders, "encoders")
+    _check_loss_keywords(loss_fn)
+    encoders = _encoders(encoders)
     _validation.chunk_sizes(chunk_size)
 
     def value_and_grad_fn(
@@ -189,52 +186,57 @@ def cached_value_and_grad(
     ):
         if not inputs:
             raise ValueError("no inputs were given; expected at least one batch to encode.")
-        n = len(inputs)
-        encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-        sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
         _validation.axis_bound(axis_name)
         _validation.rng_key(rng)
-        encs = [
-            _checked(e, f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder")
-            for i, e in enumerate(encs)
-        ]
-
+        _check_loss_scale(loss_scale)
         if rng is not None and axis_name is not None:  # distinct dropout on every device
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
-        plans = [
-            _plan(x, size, i, axis_name, batch_axis)
-            for i, (x, size) in enumerate(zip(inputs, sizes, strict=True))
-        ]
-        runs = [
-            _chunk_encoder(e, plan, x, rng, i)
-            for i, (e, plan, x) in enumerate(zip(encs, plans, inputs, strict=True))
-        ]
+        plan = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
         # Only the batch's last chunk stays live from pass 1, unless every input is a
         # single chunk: that is plain full-batch training, which re-encodes nothing.
-        keep_all = all(plan.num_body == 0 for plan in plans)
-        reps, kept_vjps = (), []
-        for i, (run, plan) in enumerate(zip(runs, plans, strict=True)):
-            keep = keep_all or i == n - 1
-            cache, vjp = _forward(run, pparams, plan, inputs[i], keep, cache_dtype, reps)
+        keep_all = all(inp.plan.num_body == 0 for inp in plan)
+        reps, kept = (), []
+        for i, inp in enumerate(plan):
+            keep = keep_all or i == len(plan) - 1
+            cache, vjp = _passes.forward(
+                inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=reps
+            )
             reps += (cache,)
-            kept_vjps.append(vjp)
+            kept.append(vjp)
 
-        def loss_of(p, reps):
-            return _validation.scalar_loss(loss_fn(p, *reps, **loss_kwargs), has_aux)
-
-        (loss, aux), (acc, rep_grads) = jax.value_and_grad(loss_of, (0, 1), has_aux=True)(
-            pparams, reps
+        loss, aux, acc, rep_grads = _loss_and_rep_grads(
+            loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
         )
         acc = jax.tree.map(lambda g: g.astype(_wide(g.dtype)), acc)
-        if loss_scale is not None:  # scale cotangents so float16 backward passes don't underflow
-            acc, rep_grads = jax.tree.map(lambda g: g * loss_scale, (acc, rep_grads))
-        for i in reversed(range(n)):  # the kept chunk first, freeing its activations
-            acc = _backward(runs[i], pparams, plans[i], rep_grads[i], kept_vjps[i], acc)
+        for i in reversed(range(len(plan))):  # the kept chunk first, freeing its activations
+            acc, _ = _passes.backward(plan[i], pparams, rep_grads[i], acc, tail_vjp=kept[i])
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
-        grads = _cast(_distributed.reduce_grads(acc, axis_name), params)
+        grads = jax.tree.map(
+            lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, axis_name), params
+        )
         loss = _distributed.replicated_loss(loss, axis_name)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn
+
+
+def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_passes.Input]:
+    """One planned :class:`_passes.Input` per batch; input ``i``'s keys fold in ``i`` first."""
+    n = len(inputs)
+    encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
+    sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+    return [
+        _passes.make_input(
+            e,
+            x,
+            size,
+            None if rng is None else jax.random.fold_in(rng, i),
+            name=f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder",
+            batch_name=f"inputs[{i}]",
+            axis_name=axis_name,
+            batch_axis=batch_axis,
+        )
+        for i, (e, x, size) in enumerate(zip(encs, inputs, sizes, strict=True))
+    ]

@@ -83,6 +83,11 @@ def _span(plan: ChunkPlan, index: jax.Array | None) -> tuple[Any, int]:
     return index * plan.chunk_size, plan.chunk_size
 
 
+def rows_of(plan: ChunkPlan, index: Any) -> int:
+    """Rows per shard of chunk ``index`` (None: the tail)."""
+    return plan.tail_size if index is None else plan.chunk_size
+
+
 def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
     """Chunk ``index`` of every leaf (a traced body index), or the tail if None."""
     start, size = _span(plan, index)

@@ -275,9 +275,9 @@ def check_loss_axes(loss_axes: set, axis_name: AxisName | None, inputs_vary: tup
         )
     missing = [a for a in inputs_vary if a not in names]
     if missing:
+        fix = missing[0] if len(missing) == 1 else tuple(missing)
         raise ValueError(
             f"the inputs vary over mesh axes {missing} (inside shard_map) but "
             f"axis_name={axis_name!r} does not name them: each device would train on its "
-            f"own rows alone. Pass axis_name={missing[0] if len(missing) == 1 else tuple(missing)!r}"
-            " here and to the loss."
+            f"own rows alone. Pass axis_name={fix!r} here and to the loss."
         )

@@ -111,6 +111,22 @@ def rows(tree: PyTree, expected: int, name: str) -> None:
             )
 
 
+def same_chunk_outputs(body: PyTree, tail: PyTree, name: str) -> None:
+    """Checks that a full chunk and the (smaller) last chunk give outputs of one kind."""
+    for (path, b), t in zip(
+        jax.tree_util.tree_flatten_with_path(body)[0], jax.tree.leaves(tail), strict=True
+    ):
+        if b.shape[1:] != t.shape[1:] or b.dtype != t.dtype:
+            where = jax.tree_util.keystr(path) or "its output"
+            raise ValueError(
+                f"{name} returned {where} of shape {tuple(b.shape)} and dtype {b.dtype} for a "
+                f"chunk of {b.shape[0]} rows but shape {tuple(t.shape)} and dtype {t.dtype} for "
+                f"the last chunk of {t.shape[0]} rows; an encoder's output may depend on the "
+                "number of rows only through its leading axis (did it pad, pool over rows or "
+                "pick a dtype from the chunk size?)."
+            )
+
+
 def scalar_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
     """Splits ``loss_fn``'s output into ``(loss, aux)`` and checks the loss is a scalar."""
     if has_aux:
@@ -171,4 +187,11 @@ def rng_key(rng: Any, name: str = "rng") -> None:
     if dtype != np.uint32 or rng.ndim != 1:
         raise TypeError(
             f"{name} must be a JAX random key (jax.random.key(seed)) or None, got {_describe(rng)}."
+        )
+    raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+    if tuple(rng.shape) != tuple(raw):
+        raise ValueError(
+            f"{name} is a raw uint32 key of shape {tuple(rng.shape)}, but raw keys of the "
+            f"default PRNG implementation have shape {tuple(raw)}; pass jax.random.key(seed) "
+            "(a typed key) or jax.random.PRNGKey(seed)."
         )

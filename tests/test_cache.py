@@ -123,20 +123,27 @@ def test_works_with_donation_and_loss_scale():
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_low_precision_encoder_gets_float32_cache():
+@pytest.mark.parametrize(
+    ("cache_dtype", "seen_dtype"), [(None, jnp.bfloat16), (jnp.float32, jnp.float32)]
+)
+def test_low_precision_encoder_cache_dtype(cache_dtype, seen_dtype):
+    """A bfloat16 encoder's cache is bfloat16 by default (lossless), float32 on request."""
+
     def bf16_tower(params, x, key):
         p = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
         return query_tower(p, x.astype(jnp.bfloat16), key)
 
-    seen = []
+    seen = set()
 
     def loss(params, q, d):
-        seen.append(q.dtype)
+        seen.add(q.dtype)
         return loss_fn(params, q, d)
 
     params = init_params()
-    _, grads = jax.jit(gc_jax.cached_value_and_grad(loss, bf16_tower, 3))(params, *batch(8, 13))
-    assert seen == [jnp.float32]
+    f = gc_jax.cached_value_and_grad(loss, bf16_tower, 3, cache_dtype=cache_dtype)
+    value, grads = jax.jit(f)(params, *batch(8, 13))
+    assert seen == {jnp.dtype(seen_dtype)}
     chex.assert_trees_all_equal_dtypes(grads, params)
-    _, ref = full_batch_value_and_grad(loss, bf16_tower, 3, params, *batch(8, 13))
+    ref_value, ref = full_batch_value_and_grad(loss, bf16_tower, 3, params, *batch(8, 13))
+    chex.assert_trees_all_close(value, ref_value, rtol=5e-3)
     chex.assert_trees_all_close(grads, ref, rtol=5e-2, atol=5e-2)

@@ -1,0 +1,211 @@
+"""The two passes of gradient caching for one input: the one implementation of the algorithm.
+
+Every public form (``cached_value_and_grad``, ``chunked_encoder``, ``GradCache``, the
+``cachex`` port) runs these two functions:
+
+* :func:`forward` (*pass 1*): encodes every chunk of a batch in a ``fori_loop`` and
+  writes the representations in place into a batch-sized cache (no stacked copy of
+  the inputs or the cache). Optionally the last chunk (the *tail*) is encoded under
+  ``jax.vjp`` and its VJP kept, so pass 2 need not encode it again.
+* :func:`backward` (*pass 2*): encodes every chunk again under ``jax.vjp``, pulls its
+  slice of the representation gradient back to the parameters (and to the batch's
+  differentiated float leaves) and accumulates in the loop carry.
+
+Chunk ``c`` is encoded with ``fold_in(rng, c)`` in both passes (``None`` stays None),
+so dropout is replayed exactly. Outputs that are not floating point (ids, masks
+carried through the encoder) are cached as they are and get no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gc_jax import _chunking, _distributed, _validation
+
+PyTree = Any
+Encoder = Callable[[PyTree, PyTree, jax.Array | None], PyTree]
+
+
+class Input(NamedTuple):
+    """One batch and how it is encoded.
+
+    Attributes:
+      encode: ``encode(params, chunk, key) -> reps``.
+      batch: the batch pytree (leading axis: rows).
+      plan: how the batch is cut into chunks.
+      rng: chunk ``c`` is encoded with ``fold_in(rng, c)``; None: no key.
+      wrt: one flag per leaf of ``batch``: whether pass 2 returns its gradient.
+      policy: a ``jax.checkpoint`` policy for each chunk's re-encoding, or None.
+      name: how errors name the encoder.
+    """
+
+    encode: Encoder
+    batch: PyTree
+    plan: _chunking.ChunkPlan
+    rng: jax.Array | None
+    wrt: tuple[bool, ...] = ()
+    policy: Any = None
+    name: str = "encoder"
+
+
+def is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=None,
+               batch_axis=None, wrt=(), policy=None) -> Input:  # fmt: skip
+    """Validates ``batch`` and plans its chunks.
+
+    Inside ``pmap``/``shard_map`` (``axis_name`` given, or a batch that varies over a
+    manual axis) the batch holds this device's rows; under plain ``jit`` a batch
+    sharded over the mesh is cut so that every device encodes its rows of every chunk.
+    """
+    rows = _validation.leading_size(batch, batch_name)
+    if axis_name is not None or _distributed.varying_axes_of(batch):
+        plan = _chunking.make_plan(rows, chunk_size)
+    else:
+        batch, shards, sharding = _distributed.batch_sharding(batch, batch_axis, batch_name)
+        plan = _chunking.make_plan(rows, chunk_size, shards, sharding)
+    wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
+    return Input(encode, batch, plan, rng, wrt, policy, name)
+
+
+def _key(inp: Input, c) -> jax.Array | None:
+    if inp.rng is None:
+        return None
+    return jax.random.fold_in(inp.rng, inp.plan.num_body if c is None else c)
+
+
+def _differentiated(tree: PyTree, wrt: tuple[bool, ...]) -> list:
+    return [x for x, w in zip(jax.tree.leaves(tree), wrt, strict=True) if w]
+
+
+def _replace(tree: PyTree, wrt: tuple[bool, ...], new: list) -> PyTree:
+    leaves, treedef = jax.tree.flatten(tree)
+    it = iter(new)
+    return treedef.unflatten([next(it) if w else x for x, w in zip(leaves, wrt, strict=True)])
+
+
+def _encoder(inp: Input, c, remat: bool = False) -> Callable[[PyTree, list], PyTree]:
+    """``f(params, diff)``: chunk ``c`` (None: the tail) encoded with its key.
+
+    ``diff`` replaces the chunk's differentiated leaves (``inp.wrt``), so ``jax.vjp``
+    of ``f`` also gives their gradients.
+    """
+    encode = inp.encode
+    if remat and inp.policy is not None:
+        encode = jax.checkpoint(encode, policy=inp.policy)
+
+    def f(params, diff):
+        chunk = _chunking.take(inp.batch, inp.plan, c)
+        if any(inp.wrt):
+            chunk = _replace(chunk, inp.wrt, diff)
+        reps = encode(params, chunk, _key(inp, c))
+        _validation.rows(reps, inp.plan.num_shards * _chunking.rows_of(inp.plan, c), inp.name)
+        return reps
+
+    return f
+
+
+def _diff(inp: Input, c) -> list:
+    if not any(inp.wrt):
+        return []
+    return _differentiated(_chunking.take(inp.batch, inp.plan, c), inp.wrt)
+
+
+def output_shapes(inp: Input, params: PyTree) -> PyTree:
+    """Shapes and dtypes of one chunk's representations, the same for every chunk."""
+    tail = jax.eval_shape(_encoder(inp, None), params, _diff(inp, None))
+    if inp.plan.num_body:
+        body = jax.eval_shape(_encoder(inp, 0), params, _diff(inp, 0))
+        _validation.same_chunk_outputs(body, tail, inp.name)
+    return tail
+
+
+def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
+    def one(r):
+        dtype = cache_dtype if cache_dtype is not None and is_float(r) else r.dtype
+        return jax.ShapeDtypeStruct(r.shape, dtype)
+
+    return jax.tree.map(one, shapes)
+
+
+def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype: Any = None,
+            after: PyTree = ()) -> tuple[PyTree, Any]:  # fmt: skip
+    """Pass 1: the batch's representations, and the tail's VJP if ``keep_tail``.
+
+    The cache has the encoder's own dtype (``cache_dtype`` overrides it for float
+    outputs). A kept tail is encoded after every other chunk and after ``after`` (the
+    caches already written), so no other chunk's activations overlap with its own.
+    """
+    like = _cache_like(output_shapes(inp, params), cache_dtype)
+    vma = _distributed.varying_axes_of((params, inp.batch))
+    cache = _chunking.zeros(like, inp.plan, vma)
+    if inp.plan.num_body:  # written in place: no stacked copy of the inputs or the cache
+        body = lambda c, cache: _chunking.put(
+            cache, _encoder(inp, c)(params, _diff(inp, c)), inp.plan, c
+        )
+        cache = jax.lax.fori_loop(0, inp.plan.num_body, body, cache)
+    if not keep_tail:
+        reps = _encoder(inp, None)(params, _diff(inp, None))
+        return _chunking.put(cache, reps, inp.plan), None
+    # The barrier orders the kept chunk's forward after all other pass-1 work.
+    (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
+    reps, vjp = jax.vjp(_encoder(inp, None, remat=True), params, _diff(inp, None))
+    return _chunking.put(cache, reps, inp.plan), vjp
+
+
+def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
+    """Chunk ``c``'s slice of the representation gradient, typed like the encoder's output."""
+
+    def one(g, r):
+        if not is_float(r):  # integer/boolean outputs: a float0 zero cotangent
+            return np.zeros(r.shape, jax.dtypes.float0)
+        return _chunking.take(g, plan, c).astype(r.dtype)
+
+    return jax.tree.map(one, rep_grad, shapes)
+
+
+def _add(acc: PyTree, grads: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+
+def input_grad_buffer(inp: Input) -> list:
+    """Zeros for the gradients of the batch's differentiated leaves."""
+    return [jnp.zeros_like(x) for x in _differentiated(inp.batch, inp.wrt)]
+
+
+def backward(inp: Input, params: PyTree, rep_grad: PyTree, acc: PyTree, *,
+             tail_vjp: Any = None) -> tuple[PyTree, list]:  # fmt: skip
+    """Pass 2: ``acc`` plus every chunk's parameter gradient, and the batch's gradients.
+
+    ``rep_grad`` has the structure of the representations; leaves of non-float
+    outputs are ignored. Returns ``(acc, batch_grads)`` where ``batch_grads`` lists
+    the gradients of the differentiated leaves of the batch (``inp.wrt``).
+    """
+    shapes = output_shapes(inp, params)
+    dx = input_grad_buffer(inp)
+    put_dx = lambda dx, g, c: [_chunking.put(b, x, inp.plan, c) for b, x in zip(dx, g, strict=True)]
+    if tail_vjp is None:  # re-encode the tail, as every other chunk
+        # The barrier makes the re-encoding wait for the gradient so far: XLA can
+        # neither hoist it next to pass 1 nor merge it with pass 1's forward.
+        acc, params = jax.lax.optimization_barrier((acc, params))
+        tail_vjp = jax.vjp(_encoder(inp, None, remat=True), params, _diff(inp, None))[1]
+    g_params, g_x = tail_vjp(_cotangent(rep_grad, shapes, inp.plan, None))
+    acc, dx = _add(acc, g_params), put_dx(dx, g_x, None)
+    if not inp.plan.num_body:
+        return acc, dx
+    acc, params = jax.lax.optimization_barrier((acc, params))
+
+    def step(c, carry):
+        acc, dx = carry
+        _, vjp = jax.vjp(_encoder(inp, c, remat=True), params, _diff(inp, c))
+        g_params, g_x = vjp(_cotangent(rep_grad, shapes, inp.plan, c))
+        return _add(acc, g_params), put_dx(dx, g_x, c)
+
+    return jax.lax.fori_loop(0, inp.plan.num_body, step, (acc, dx))
