@@ -1,7 +1,8 @@
 """Docstring-to-code retrieval pairs mined from Python source that ships with packages.
 
-Every function or method with a docstring in the standard library and in a few installed
-packages (numpy, jax, flax, optax) gives one pair:
+Every function or method with a docstring in the standard library and in the installed
+packages of :data:`DEFAULT_PACKAGES` (numpy, scipy, jax, flax, matplotlib, ...) gives
+one pair:
 
 * **query**: the docstring's summary (its first paragraph, on one line);
 * **document**: the function's source with the docstring statement removed.
@@ -28,8 +29,10 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import re
+import sys
 import sysconfig
 import textwrap
 from collections.abc import Iterable, Iterator, Sequence
@@ -38,12 +41,38 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_PACKAGES = ("numpy", "jax", "flax", "optax")
-"""Installed packages mined besides the standard library (missing ones are skipped)."""
+DEFAULT_PACKAGES = (
+    "stdlib",
+    # gc_jax's dependencies and theirs
+    "numpy",
+    "scipy",
+    "jax",
+    "flax",
+    "optax",
+    "chex",
+    "orbax",
+    "rich",
+    "etils",
+    "absl",
+    "treescope",
+    # the `examples` extra's (tokenizers needs huggingface_hub) and theirs
+    "huggingface_hub",
+    "matplotlib",
+    "fontTools",
+    "PIL",
+    "packaging",
+    "pyparsing",
+)
+"""What is mined by default: ``"stdlib"`` (the standard library) and import names of
+packages that ``pip install -e ".[examples]"`` installs, chosen for their many
+docstrings. Missing ones are skipped."""
 
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "testing", "idle_test", "__pycache__", "site-packages", "dist-packages"}
 )
+# The fields holding statement blocks, in the order ``ast`` lists them (try: body,
+# handlers, orelse, finalbody); a ``def`` can only appear in one of them.
+_BLOCK_FIELDS = ("body", "handlers", "orelse", "finalbody", "cases")
 _SIGNATURE_LIKE = re.compile(r"^[\w.]+\s*\(.*\)")  # "split(sep=None) -> list" summaries
 
 
@@ -68,6 +97,12 @@ class Pair:
     document: str
     source: str  # "<root name>/<path inside it>", the unit of the train / held-out split
     name: str  # qualified name inside the file, e.g. "JSONDecoder.decode"
+    line: int = 0  # line of the ``def`` in the source file (1-based)
+
+    @property
+    def module(self) -> str:
+        """The dotted module name, e.g. ``json.decoder`` for ``stdlib/json/decoder.py``."""
+        return module_name(self.source)
 
 
 @dataclass(frozen=True)
@@ -79,9 +114,15 @@ class Split:
 
 
 def source_roots(packages: Sequence[str] = DEFAULT_PACKAGES) -> list[tuple[str, Path]]:
-    """``(name, directory)`` of the standard library and of each installed package."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    """``(name, directory)`` of each installed package; ``"stdlib"`` is the standard library.
+
+    Packages that are not installed, or are single modules, are skipped.
+    """
+    roots = []
     for package in packages:
+        if package == "stdlib":
+            roots.append(("stdlib", Path(sysconfig.get_paths()["stdlib"])))
+            continue
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             continue
@@ -89,14 +130,28 @@ def source_roots(packages: Sequence[str] = DEFAULT_PACKAGES) -> list[tuple[str, 
     return roots
 
 
+def module_name(source: str) -> str:
+    """The dotted module of a pair's source: ``"stdlib/json/decoder.py"`` -> ``"json.decoder"``.
+
+    A package's ``__init__.py`` is the package: ``"numpy/__init__.py"`` -> ``"numpy"``.
+    """
+    root, _, path = source.partition("/")
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts if root == "stdlib" else [root, *parts])
+
+
 def describe_roots(roots: Sequence[tuple[str, Path]]) -> str:
     """Names and versions of the mined roots, e.g. ``stdlib 3.11.7, numpy 2.4.6``."""
 
+    distributions = importlib.metadata.packages_distributions()  # import name -> names
+
     def version(name: str) -> str:
-        if name == "stdlib":
+        if name == "stdlib" or name in sys.stdlib_module_names:
             return platform.python_version()
         try:
-            return importlib.metadata.version(name)
+            return importlib.metadata.version(distributions.get(name, [name])[0])
         except importlib.metadata.PackageNotFoundError:
             return "?"
 
@@ -106,11 +161,12 @@ def describe_roots(roots: Sequence[tuple[str, Path]]) -> str:
 def python_files(root: Path) -> list[Path]:
     """The ``.py`` files under ``root``, sorted, without test suites or nested installs."""
     files = []
-    for path in root.rglob("*.py"):
-        *dirs, name = path.relative_to(root).parts
-        is_test = name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
-        if not (is_test or _SKIPPED_DIRS.intersection(dirs)):
-            files.append(path)
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]  # not descended into
+        for name in names:
+            is_test = name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
+            if name.endswith(".py") and not is_test:
+                files.append(Path(directory, name))
     return sorted(files)
 
 
@@ -125,10 +181,14 @@ def _normalized(text: str) -> str:
 
 
 def _functions(tree: ast.AST) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """Every function in ``tree`` with its qualified name, in source order."""
+    """Every function in ``tree`` with its qualified name, in source order.
+
+    Only statement blocks are visited (a ``def`` is a statement; expressions hold
+    none), which is several times faster than walking every node.
+    """
 
     def visit(node: ast.AST, prefix: str):
-        for child in ast.iter_child_nodes(node):
+        for child in _statements(node):
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 name = f"{prefix}{child.name}"
                 if not isinstance(child, ast.ClassDef):
@@ -138,6 +198,14 @@ def _functions(tree: ast.AST) -> Iterator[tuple[str, ast.FunctionDef | ast.Async
                 yield from visit(child, prefix)
 
     yield from visit(tree, "")
+
+
+def _statements(node: ast.AST) -> Iterator[ast.AST]:
+    """The statements (and ``except`` / ``case`` clauses) directly inside ``node``, in order."""
+    for field in _BLOCK_FIELDS:
+        block = getattr(node, field, None)
+        if isinstance(block, list):
+            yield from block
 
 
 def document_without_docstring(
@@ -208,7 +276,7 @@ def pairs_in_file(path: Path, source: str, limits: Limits = Limits()) -> Iterato
             continue
         document = document_without_docstring(lines, function)
         if document is not None and _document_is_clean(query, document, limits):
-            yield Pair(query=query, document=document, source=source, name=name)
+            yield Pair(query, document, source, name, line=function.lineno)
 
 
 def deduplicate(pairs: Iterable[Pair]) -> list[Pair]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 Batch = Mapping[str, np.ndarray]
 
@@ -16,15 +18,20 @@ def embed(
     params: Any,
     inputs: Batch,
     batch_size: int,
+    progress: str | None = None,
 ) -> np.ndarray:
     """Embeds every row of ``inputs`` in batches of a fixed size (the last one padded).
 
     ``embed_batch(params, batch)`` should be jitted; a fixed batch shape compiles it once.
     Padding rows are all-zero (attention mask 0) and are dropped from the result.
+    ``progress``: if given, a progress bar with this description.
     """
     rows = len(next(iter(inputs.values())))
     outputs = []
-    for start in range(0, rows, batch_size):
+    starts = range(0, rows, batch_size)
+    if progress is not None:
+        starts = tqdm(starts, desc=progress, unit="batch", file=sys.stdout)
+    for start in starts:
         batch = {k: v[start : start + batch_size] for k, v in inputs.items()}
         real = len(next(iter(batch.values())))
         if real < batch_size:
@@ -57,3 +64,24 @@ def retrieval_metrics(queries: np.ndarray, documents: np.ndarray) -> dict[str, f
         "recall@10": float(np.mean(ranks <= 10)),
         "mrr": float(np.mean(1.0 / ranks)),
     }
+
+
+def in_batch_loss(
+    queries: np.ndarray, documents: np.ndarray, temperature: float, batch_size: int
+) -> float:
+    """The training loss on held-out pairs: InfoNCE of each query against its batch's documents.
+
+    The rows are cut into consecutive batches of ``batch_size`` (the last incomplete one
+    dropped; one batch of every row if there are fewer), so the loss sees as many
+    negatives as a training step does and the two curves are comparable.
+    """
+    batch_size = min(batch_size, len(queries))
+    losses = []
+    for start in range(0, len(queries) - batch_size + 1, batch_size):
+        q = queries[start : start + batch_size].astype(np.float64)
+        d = documents[start : start + batch_size].astype(np.float64)
+        logits = q @ d.T / temperature
+        top = logits.max(axis=1, keepdims=True)
+        log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        losses.append(np.mean(log_norm - np.diag(logits)))
+    return float(np.mean(losses))
