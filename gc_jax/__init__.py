@@ -8,6 +8,7 @@ from gc_jax import functional
 from gc_jax import losses
 from gc_jax import testing
 from gc_jax._cache import cached_value_and_grad
+from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
 from gc_jax._grad_cache import GradCache
@@ -22,6 +23,7 @@ __all__ = [
     "DynamicLossScale",
     "GradCache",
     "cached_value_and_grad",
+    "chunked_encoder",
     "functional",
     "global_loss",
     "linen_encoder",

@@ -37,11 +37,6 @@ Encoder = _passes.Encoder
 _OWN_KEYWORDS = ("rng", "loss_scale")
 
 
-def _wide(dtype) -> jnp.dtype:
-    """Float dtypes narrower than float32 are widened (the gradient accumulator)."""
-    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
-
-
 def _check_loss_keywords(loss_fn: Callable[..., Any]) -> None:
     try:
         names = inspect.signature(loss_fn).parameters
@@ -208,7 +203,7 @@ def cached_value_and_grad(
         loss, aux, acc, rep_grads = _loss_and_rep_grads(
             loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
         )
-        acc = jax.tree.map(lambda g: g.astype(_wide(g.dtype)), acc)
+        acc = jax.tree.map(lambda g: g.astype(_passes.wide(g.dtype)), acc)
         for i in reversed(range(len(plan))):  # the kept chunk first, freeing its activations
             acc, _ = _passes.backward(plan[i], pparams, rep_grads[i], acc, tail_vjp=kept[i])
         if loss_scale is not None:

@@ -57,6 +57,11 @@ def is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def wide(dtype: Any) -> Any:
+    """Float dtypes narrower than float32 are widened (gradient accumulators)."""
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
 def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=None,
                batch_axis=None, wrt=(), policy=None) -> Input:  # fmt: skip
     """Validates ``batch`` and plans its chunks.
@@ -163,9 +168,11 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
 def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
     """Chunk ``c``'s slice of the representation gradient, typed like the encoder's output."""
 
+    rows = plan.num_shards * _chunking.rows_of(plan, c)
+
     def one(g, r):
         if not is_float(r):  # integer/boolean outputs: a float0 zero cotangent
-            return np.zeros(r.shape, jax.dtypes.float0)
+            return np.zeros((rows, *r.shape[1:]), jax.dtypes.float0)
         return _chunking.take(g, plan, c).astype(r.dtype)
 
     return jax.tree.map(one, rep_grad, shapes)

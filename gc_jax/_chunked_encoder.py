@@ -1,0 +1,175 @@
+"""``chunked_encoder``: gradient caching as a composable transform of the encoder.
+
+``chunked_encoder(encode, chunk_size)`` returns ``encode_batch(params, batch, key)``,
+which computes what ``encode(params, batch, key)`` would, chunk by chunk, keeping
+only the representations. It is a ``jax.custom_vjp``: differentiating *any* program
+that uses it (``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``, ``nnx.grad``,
+inside a user's own jitted optax or ``TrainState`` step) runs the cached backward,
+pass 2 of :mod:`gc_jax._passes`, against the cotangent the rest of the program
+produced for the representations. So the loss, the optimizer and the training loop
+stay the user's; only the forward function is wrapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gc_jax import _distributed, _passes, _validation
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The static part of a call: what the custom VJP closes over."""
+
+    encode: Callable[..., PyTree]
+    chunk_size: int
+    policy: Any
+    batch_axis: Any
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """A residual with no array leaves (which batch leaves are differentiated)."""
+
+    value: Any
+
+
+def _input(config: _Config, batch: PyTree, key, wrt=()) -> _passes.Input:
+    return _passes.make_input(
+        config.encode,
+        batch,
+        config.chunk_size,
+        key,
+        name="encode",
+        batch_name="batch",
+        batch_axis=config.batch_axis,
+        wrt=wrt,
+        policy=config.policy,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _encode_batch(config: _Config, params: PyTree, batch: PyTree, key) -> PyTree:
+    return _passes.forward(_input(config, batch, key), params)[0]
+
+
+def _value(x):
+    return x.value if isinstance(x, jax.custom_derivatives.CustomVJPPrimal) else x
+
+
+def _fwd(config: _Config, params, batch, key):
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+    leaves = jax.tree.leaves(batch, is_leaf=is_primal)
+    wrt = tuple(bool(x.perturbed) and _passes.is_float(x.value) for x in leaves)
+    params, batch, key = jax.tree.map(_value, (params, batch, key), is_leaf=is_primal)
+    reps = _passes.forward(_input(config, batch, key, wrt), params)[0]
+    return reps, (params, batch, key, _Static(wrt))
+
+
+def _dense(ct: Any) -> Any:
+    """A symbolic-zero cotangent as an array (integer outputs: float0 zeros)."""
+    if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
+        return ct
+    if jnp.issubdtype(ct.dtype, jnp.inexact):
+        return jnp.zeros(ct.shape, ct.dtype)
+    return np.zeros(ct.shape, jax.dtypes.float0)
+
+
+def _bwd(config: _Config, residuals, ct):
+    params, batch, key, wrt = residuals
+    inp = _input(config, batch, key, wrt.value)
+    ct = jax.tree.map(
+        _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
+    )
+    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, _passes.wide(p.dtype)), params)
+    acc, batch_grads = _passes.backward(inp, params, ct, acc)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
+    it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates
+    batch_grads = [next(it) if w else None for w in wrt.value]
+    return grads, jax.tree.structure(batch).unflatten(batch_grads), None
+
+
+_encode_batch.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def chunked_encoder(
+    encode: Callable[[PyTree, PyTree, jax.Array | None], PyTree],
+    chunk_size: int,
+    *,
+    policy: Callable[..., bool] | None = None,
+    batch_axis: Any = None,
+) -> Callable[..., PyTree]:
+    """Wraps an encoder so that any JAX differentiation through it is gradient-cached.
+
+    The forward encodes the batch ``chunk_size`` rows at a time and keeps only the
+    representations. Differentiating a program that uses the result (with
+    ``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``, ``nnx.grad``, ...) re-encodes
+    each chunk under ``jax.vjp`` against its slice of the representations' cotangent
+    and accumulates the parameter gradients in a loop: one chunk's activations are
+    alive at a time, and the gradient is the one of ``encode(params, batch, key)``.
+    Call it as often as you like in one loss (queries and passages, tied or separate
+    towers): each call is cached on its own.
+
+    Args:
+      encode: ``encode(params, chunk, key) -> reps``; ``reps`` is an array or a
+        pytree of arrays with one row per row of ``chunk``. Integer or boolean outputs
+        (ids, masks) are returned as they are and get no gradient.
+      chunk_size: rows encoded at once. Under ``jit`` with a sharded batch (explicit
+        mesh axes, or ``batch_axis``) it counts rows per device; inside
+        ``shard_map``/``pmap`` it counts this device's rows.
+      policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) applied to
+        each chunk's re-encoding in the backward pass, to keep even less than one
+        chunk's activations; None keeps them all (one chunk's worth).
+      batch_axis: under plain ``jit`` with *auto* mesh axes, the mesh axes the batch
+        is sharded over (under ``jax.set_mesh``), so that every device encodes its
+        rows of every chunk at once. Not needed under explicit axes.
+
+    Returns:
+      ``encode_batch(params, batch, key=None) -> reps``. Chunk ``c`` is encoded with
+      ``fold_in(key, c)`` in both passes (``None`` stays None), so dropout is replayed
+      exactly. Gradients flow to ``params`` and to the float leaves of ``batch`` that
+      are differentiated (soft prompts, input embeddings). Under ``shard_map``,
+      parameters shared by all devices get the sum of every device's gradient, as
+      with any JAX function; under ``pmap``, each device's, as with any JAX
+      function (reduce them as usual). Forward-mode differentiation (``jax.jvp``)
+      is not supported.
+
+    Examples:
+      A plain optax step; only the encoder is wrapped:
+
+      >>> import jax, jax.numpy as jnp, optax, gc_jax
+      >>> encode = lambda w, x, key: jnp.tanh(x @ w)
+      >>> encode_batch = gc_jax.chunked_encoder(encode, chunk_size=2)
+      >>> def loss(w, q, d):
+      ...     return gc_jax.losses.contrastive_loss(encode_batch(w, q), encode_batch(w, d))
+      >>> w, q, d = jnp.eye(4), jnp.eye(6, 4), jnp.eye(6, 4)[::-1] + 0.1
+      >>> value, grads = jax.jit(jax.value_and_grad(loss))(w, q, d)
+      >>> plain = lambda w: gc_jax.losses.contrastive_loss(encode(w, q, None), encode(w, d, None))
+      >>> bool(jnp.allclose(grads, jax.grad(plain)(w), atol=1e-6))
+      True
+    """
+    _validation.callable_arg(encode, "encode")
+    chunk_size = _validation.positive_int(chunk_size, "chunk_size")
+    if policy is not None:
+        _validation.callable_arg(policy, "policy")
+    config = _Config(encode, chunk_size, policy, batch_axis)
+
+    def encode_batch(params: PyTree, batch: PyTree, key: jax.Array | None = None) -> PyTree:
+        _validation.rng_key(key, "key")
+        _validation.leading_size(batch, "batch")
+        # Inside shard_map, parameters used with per-device rows are cast to vary
+        # first: their gradient is then summed over devices by the cast's transpose.
+        params = _distributed.to_varying(params, _distributed.varying_axes_of(batch) or None)
+        return _encode_batch(config, params, batch, key)
+
+    return encode_batch
