@@ -10,13 +10,20 @@ on a chunk the way the PyTorch GradCache calls a model: an array ``x`` as
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from flax import errors as flax_errors
 from flax import linen, nnx
 
 PyTree = Any
+
+_PER_CHUNK_STATISTICS = (
+    "BatchNorm in training mode normalises every chunk with that chunk's own "
+    "statistics, so the gradient would not be the full batch's"
+)
 
 
 def call_with_chunk(fn: Callable[..., Any], chunk: PyTree) -> Any:
@@ -43,12 +50,51 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _check_extra_variables(extra_variables: Any) -> dict[str, Any]:
+    if extra_variables is None:
+        return {}
+    if not isinstance(extra_variables, Mapping):
+        raise TypeError(
+            "extra_variables must be a mapping from collection name to variables, e.g. "
+            "extra_variables={'batch_stats': variables['batch_stats']}; got "
+            f"{type(extra_variables).__name__}."
+        )
+    if "params" in extra_variables:
+        raise ValueError(
+            "extra_variables must not contain 'params': the params are the encoder's "
+            "first argument (the ones differentiated). Pass only the other collections, "
+            "e.g. extra_variables={'batch_stats': variables['batch_stats']}."
+        )
+    return dict(extra_variables)
+
+
+def _linen_error(error: Exception, module: linen.Module, given: list[str]) -> Exception:
+    """A Flax scope error while encoding, restated with what to write instead."""
+    name = type(module).__name__
+    if isinstance(error, flax_errors.ModifyScopeVariableError):
+        return ValueError(
+            f"linen_encoder({name}): the module tried to update a variable collection "
+            f"while encoding a chunk ({error}). gc_jax encoders cannot update "
+            f"collections, and {_PER_CHUNK_STATISTICS}. Run it on running statistics "
+            "(e.g. nn.BatchNorm(use_running_average=True)) and pass them with "
+            "extra_variables={'batch_stats': ...}, or use LayerNorm/GroupNorm."
+        )
+    found = re.search(r'collection "([^"]+)"', str(error))
+    col = found.group(1) if found else "<collection>"
+    return ValueError(
+        f"linen_encoder({name}): the module reads the variable collection {col!r}, "
+        f"but the encoder only has {given} ({error}). Pass it with "
+        f"linen_encoder(..., extra_variables={{{col!r}: variables[{col!r}]}})."
+    )
+
+
 def linen_encoder(
     module: linen.Module,
     *,
     method: str | Callable[..., Any] | None = None,
     get_rep: Callable[[Any], PyTree] | None = None,
     rng_collection: str = "dropout",
+    extra_variables: Mapping[str, PyTree] | None = None,
     **apply_kwargs: Any,
 ) -> Callable[[PyTree, PyTree, jax.Array | None], PyTree]:
     """Turns a Linen module into an encoder over its ``params`` collection.
@@ -60,12 +106,24 @@ def linen_encoder(
       get_rep: picks the representation out of the module's output.
       rng_collection: the RNG collection the chunk key feeds (Flax's ``Dropout``
         uses ``"dropout"``). With no key, no RNG is passed.
+      extra_variables: the module's other variable collections, e.g.
+        ``{"batch_stats": variables["batch_stats"]}`` for a ``BatchNorm`` run on
+        its running statistics (``use_running_average=True``). They are read,
+        never differentiated or updated. They are captured when the encoder is
+        built: for statistics that change between steps, build the encoder inside
+        the jitted step from the state passed to it (otherwise they are baked into
+        the compiled step as constants).
       **apply_kwargs: static keyword arguments for every call, e.g.
         ``deterministic=False``.
 
     Returns:
       ``encode(params, chunk, key)`` where ``params`` is the module's ``"params"``
       collection (``variables["params"]``, or ``TrainState.params``).
+
+    Raises:
+      ValueError: (when encoding) if the module reads a collection that is not in
+        ``extra_variables``, or tries to update one (BatchNorm in training mode:
+        each chunk would be normalised with its own statistics).
 
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, gc_jax
@@ -74,17 +132,78 @@ def linen_encoder(
       >>> encode = gc_jax.linen_encoder(model)
       >>> encode(params, jnp.ones((4, 2)), None).shape
       (4, 3)
+
+      A model with ``BatchNorm`` on its running statistics:
+
+      >>> class Tower(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return nn.BatchNorm(use_running_average=True)(nn.Dense(3)(x))
+      >>> variables = Tower().init(jax.random.key(0), jnp.ones((1, 2)))
+      >>> encode = gc_jax.linen_encoder(
+      ...     Tower(), extra_variables={"batch_stats": variables["batch_stats"]})
+      >>> encode(variables["params"], jnp.ones((4, 2)), None).shape
+      (4, 3)
     """
     get_rep = get_rep or _identity
+    extra = _check_extra_variables(extra_variables)
+    given = ["params", *extra]
 
     def encode(params, chunk, key):
         rngs = {} if key is None else {rng_collection: key}
+        variables = {**jax.lax.stop_gradient(extra), "params": params}
         fn = lambda *a, **k: module.apply(
-            {"params": params}, *a, method=method, rngs=rngs, **apply_kwargs, **k
+            variables, *a, method=method, rngs=rngs, **apply_kwargs, **k
         )
-        return get_rep(call_with_chunk(fn, chunk))
+        try:
+            return get_rep(call_with_chunk(fn, chunk))
+        except (flax_errors.ModifyScopeVariableError, flax_errors.ScopeCollectionNotFound) as e:
+            raise _linen_error(e, module, given) from e
 
     return encode
+
+
+def _batch_stats(module: nnx.Module) -> list[tuple[Any, nnx.Variable, Any]]:
+    return [
+        (path, v, v.get_value())
+        for path, v in nnx.iter_graph(module)
+        if isinstance(v, nnx.BatchStat)
+    ]
+
+
+def call_nnx(
+    module: nnx.Module,
+    method: str,
+    chunk: PyTree,
+    key: jax.Array | None,
+    get_rep: Callable[[Any], PyTree] | None,
+    name: str = "model",
+) -> PyTree:
+    """Runs a freshly merged NNX module on a chunk, as :func:`nnx_encoder` does.
+
+    With a key every RNG stream is reseeded from it; without one the module runs
+    with ``deterministic=True``. Raises if the module updates its ``nnx.BatchStat``
+    variables (BatchNorm in training mode: per-chunk statistics).
+    """
+    if key is None:
+        with contextlib.suppress(ValueError):  # no module has `deterministic`
+            module = nnx.view(module, deterministic=True)
+    else:
+        streams = {s.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)}
+        if streams:
+            nnx.reseed(module, **dict.fromkeys(streams, key))
+    stats = _batch_stats(module)
+    out = call_with_chunk(getattr(module, method), chunk)
+    updated = [path for path, v, before in stats if v.get_value() is not before]
+    if updated:
+        where = ", ".join(f"{name}." + ".".join(map(str, p)) for p in updated[:4])
+        raise ValueError(
+            f"{name} updated its nnx.BatchStat variables while encoding a chunk ({where}): "
+            f"{_PER_CHUNK_STATISTICS}. Run BatchNorm on its running statistics: pass "
+            "nnx.view(model, use_running_average=True) (dropout stays on) or build it "
+            "with use_running_average=True; or use LayerNorm/GroupNorm."
+        )
+    return (get_rep or _identity)(out)
 
 
 def nnx_encoder(
@@ -95,10 +214,18 @@ def nnx_encoder(
 ) -> Callable[[nnx.State, PyTree, jax.Array | None], PyTree]:
     """Turns an NNX module into an encoder over its ``nnx.Param`` state.
 
-    The module's other state (RNG streams, non-trainable variables) is captured as
-    it is now. Each chunk reseeds every RNG stream of the module with the chunk's
-    key, so dropout masks are replayed exactly in pass 2; with no key the module
-    runs deterministically (``nnx.view(model, deterministic=True)``).
+    The module's other state (RNG streams, ``nnx.BatchStat`` running statistics,
+    other non-``Param`` variables) is captured as it is when the encoder is built,
+    read and never differentiated; for such state that changes between steps,
+    build the encoder inside the jitted step from the model passed to it. Each
+    chunk reseeds every RNG stream of the module with the chunk's key, so dropout
+    masks are replayed exactly in pass 2; with no key the module runs
+    deterministically (``nnx.view(model, deterministic=True)``).
+
+    ``nnx.BatchNorm`` must run on its running statistics: pass
+    ``nnx.view(model, use_running_average=True)`` (it shares the model's
+    variables, and keeps dropout on). In training mode it would normalise each
+    chunk with that chunk's statistics, which is detected and raises.
 
     Args:
       model: the NNX module.
@@ -108,6 +235,10 @@ def nnx_encoder(
     Returns:
       ``encode(params, chunk, key)`` where ``params = nnx.state(model, nnx.Param)``.
 
+    Raises:
+      ValueError: (when encoding) if the module updates its ``nnx.BatchStat``
+        variables, i.e. computes statistics over the chunk.
+
     Examples:
       >>> import jax.numpy as jnp, gc_jax
       >>> from flax import nnx
@@ -115,21 +246,21 @@ def nnx_encoder(
       >>> encode = gc_jax.nnx_encoder(model)
       >>> encode(nnx.state(model, nnx.Param), jnp.ones((4, 2)), None).shape
       (4, 3)
+
+      A model with ``BatchNorm``, run on its running statistics:
+
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+      ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> encode = gc_jax.nnx_encoder(nnx.view(model, use_running_average=True))
+      >>> encode(nnx.state(model, nnx.Param), jnp.ones((4, 2)), None).shape
+      (4, 3)
     """
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-    get_rep = get_rep or _identity
 
     def encode(params, chunk, key):
         # A fresh copy of the captured state, so the merged module's variables
         # belong to the current trace and may be updated (RNG counters).
         module = nnx.merge(graphdef, params, jax.tree.map(_identity, rest))
-        if key is None:
-            with contextlib.suppress(ValueError):  # no module has `deterministic`
-                module = nnx.view(module, deterministic=True)
-        else:
-            streams = {s.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)}
-            if streams:
-                nnx.reseed(module, **dict.fromkeys(streams, key))
-        return get_rep(call_with_chunk(getattr(module, method), chunk))
+        return call_nnx(module, method, chunk, key, get_rep)
 
     return encode

@@ -1,11 +1,25 @@
 """``GradCache``: the PyTorch GradCache class API for Flax NNX modules.
 
-A thin, jitted wrapper over :func:`gc_jax.cached_value_and_grad` and
-:func:`gc_jax.nnx_encoder`: no second implementation of the algorithm.
+A thin, jitted wrapper over :func:`gc_jax.cached_value_and_grad` and the NNX
+encoder of :mod:`gc_jax._flax`: no second implementation of the algorithm.
+
+Two things make the class safe to use the way NNX code is usually written:
+
+- *Inside* ``nnx.jit`` (or another NNX transform), the models the object holds are
+  not the ones being traced: the transform works on copies. Every call looks up
+  the traced copy of each held variable in the transform's bookkeeping (the
+  ``update_context`` that maps outer graph nodes to inner ones), so ``gc(x, y)``
+  in an ``nnx.jit`` step reads the weights passed to that step. Where no traced
+  copy exists (plain ``jax.jit``, tree-mode ``nnx.jit``, a model captured by
+  closure), the weights would be baked into the compiled step as constants; that
+  raises and asks for ``params=``.
+- All distinct models are split *jointly*, so a submodule shared by two towers is
+  one leaf and gets one gradient, the sum over both towers.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import graphlib
 
 from gc_jax import _cache, _flax, _validation
 
@@ -39,14 +54,67 @@ def _partition(loss_kwargs: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
     return dyn, static
 
 
+def _update_contexts() -> list[Any]:
+    """The active NNX transforms' maps from outer graph nodes to traced ones."""
+    try:
+        stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+        return [ctx for stack in stacks.values() for ctx in reversed(stack)]
+    except AttributeError:  # another Flax version: no mapping, the check below raises
+        return []
+
+
+def _traced_copy(variable: Any, contexts: list[Any]) -> Any:
+    """The variable an enclosing NNX transform traces in place of ``variable``."""
+    for _ in range(len(contexts)):  # nested transforms: follow the chain inwards
+        for ctx in contexts:
+            outer = getattr(ctx, "outer_ref_outer_index", None)
+            inner = getattr(ctx, "outer_index_inner_ref", None)
+            index = None if outer is None or inner is None else outer.get(variable)
+            if index is not None and index in inner and inner[index] is not variable:
+                variable = inner[index]
+                break
+        else:
+            return variable
+    return variable
+
+
+def _is_traced(tree: PyTree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def _under_trace() -> bool:
+    """Whether we are being staged out (jit, pmap, shard_map, scan, ...)."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
+def _per_model(joint: nnx.State, n: int) -> tuple[nnx.State, ...]:
+    raw = joint.raw_mapping
+    return tuple(nnx.State(raw.get(i, {})) for i in range(n))
+
+
+def _joint(per_model: Sequence[nnx.State]) -> nnx.State:
+    return nnx.State(dict(enumerate(per_model)))
+
+
+def _paths(tree: PyTree) -> set[str]:
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 class GradCache:
     """Gradient-cached steps for NNX encoders, ported from the PyTorch ``GradCache`` class.
 
     ``cache_step`` (or calling the object) returns ``(loss, grads)`` equal to the
     full-batch ``jax.value_and_grad`` while holding one chunk's activations at a time.
     The step is jitted once per input shape and cached. The models are read with
-    ``nnx.split`` at every step but never modified (nor is their non-``Param`` state,
+    ``nnx.split`` at every call but never modified (nor is their non-``Param`` state,
     e.g. RNG counters or batch statistics): apply ``grads`` with ``nnx.Optimizer``.
+
+    Call it eagerly, or inside an ``nnx.jit`` step that takes the models as
+    arguments (see the examples): there it reads the traced models, so each step
+    uses the current weights. Inside ``jax.jit``, ``pmap``, ``shard_map`` or a
+    tree-mode ``nnx.jit`` (``graph=False``), pass the weights as ``params=``, an
+    argument of that transform; calling it there without ``params=`` raises,
+    because the weights would be compiled in as constants and never change.
 
     Differences from the PyTorch class: gradients are returned, not accumulated on
     the weights; there is no ``fp16``/``scaler`` (mixed precision is the encoder's
@@ -57,7 +125,13 @@ class GradCache:
     Args:
       models: one ``nnx.Module`` or a sequence of them, one per model input. The same
         object may appear more than once (tied weights): it then gets one gradient,
-        the sum over its uses, like the hooks of the original.
+        the sum over its uses, like the hooks of the original. Distinct models may
+        share submodules or variables (a shared embedding): a shared variable gets
+        one gradient, the sum over all towers, and appears in ``grads`` only under
+        the first model that holds it; apply such ``grads`` with one optimizer over
+        all the models, ``nnx.Optimizer((a, b), tx, wrt=nnx.Param)`` and
+        ``optimizer.update((a, b), grads)`` (one optimizer per tower would update
+        the shared weights twice, and fails on the missing leaves).
       chunk_sizes: rows encoded at once, one int for all models or one per model.
       loss_fn: ``loss_fn(*reps, **loss_kwargs)``, the scalar loss of the whole
         batch's representations, one per model (``(loss, aux)`` with ``has_aux``).
@@ -78,6 +152,9 @@ class GradCache:
 
     Model inputs are passed as in the original: an array ``x`` as ``model(x)``, a list
     or tuple as ``model(*x)``, a dict as ``model(**x)``; every leaf is a batch.
+    ``nnx.BatchNorm`` must run on its running statistics (pass
+    ``nnx.view(model, use_running_average=True)``, which shares the model's
+    variables); in training mode it raises, see ``gc_jax.nnx_encoder``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, gc_jax
@@ -91,6 +168,23 @@ class GradCache:
       >>> _ = optimizer.update(model, grads)
       >>> loss.shape, grads["kernel"].get_value().shape
       ((), (4, 3))
+
+      The usual NNX training loop: an ``nnx.jit`` step taking the model and the
+      optimizer; ``gc`` reads the model passed to the step.
+
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, q, d):
+      ...     loss, grads = gc(q, d)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> losses = [float(train_step(model, optimizer, q, d)) for _ in range(3)]
+      >>> losses[0] > losses[1] > losses[2]
+      True
+
+      Inside ``jax.jit`` (or ``shard_map``, ``pmap``), pass the weights in:
+
+      >>> step = jax.jit(lambda params, q, d: gc(q, d, params=params))
+      >>> loss, grads = step(gc.params, q, d)
     """
 
     def __init__(
@@ -127,27 +221,33 @@ class GradCache:
                 _validation.callable_arg(fn, name)
         self.split_input_fn, self.get_rep_fn = split_input_fn, get_rep_fn
         self.has_aux, self.axis_name = has_aux, axis_name
-        self._unique = list({id(m): m for m in self.models}.values())
+        self._unique = tuple({id(m): m for m in self.models}.values())
         self._slot = tuple(
             next(j for j, u in enumerate(self._unique) if u is m) for m in self.models
         )
-        self._step = jax.jit(self._run, static_argnames=("graphdefs", "static_kwargs", "joined"))
+        self._step = jax.jit(self._run, static_argnames=("graphdef", "static_kwargs", "joined"))
 
-    def _run(self, params, rests, inputs, rng, dyn_kwargs, *, graphdefs, static_kwargs, joined):
+    def _encode(self, params, chunk, key, *, graphdef, rest, slot):
+        # A fresh copy of the non-Param state, so the merged modules' variables
+        # belong to the current trace and may be updated (RNG counters).
+        models = nnx.merge(graphdef, _joint(params), jax.tree.map(lambda v: v, rest))
+        name = f"models[{self._slot.index(slot)}]"
+        return _flax.call_nnx(models[slot], "__call__", chunk, key, self.get_rep_fn, name)
+
+    def _run(self, params, rest, inputs, rng, dyn_kwargs, *, graphdef, static_kwargs, joined):
         encoders = [
-            _flax.nnx_encoder(nnx.merge(*state), get_rep=self.get_rep_fn)
-            for state in zip(graphdefs, params, rests, strict=True)
+            functools.partial(self._encode, graphdef=graphdef, rest=rest, slot=s)
+            for s in self._slot
         ]
-        encs = [lambda ps, x, k, e=encoders[s], s=s: e(ps[s], x, k) for s in self._slot]
         inputs = [
             jax.tree.map(lambda *xs: jnp.concatenate(xs), *x) if j else x
             for x, j in zip(inputs, joined, strict=True)
         ]
         loss = lambda _, *reps, **kw: self.loss_fn(*reps, **kw)
         f = _cache.cached_value_and_grad(
-            loss, encs, self.chunk_sizes, has_aux=self.has_aux, axis_name=self.axis_name
+            loss, encoders, self.chunk_sizes, has_aux=self.has_aux, axis_name=self.axis_name
         )
-        return f(tuple(params), *inputs, rng=rng, **dyn_kwargs, **dict(static_kwargs))
+        return f(params, *inputs, rng=rng, **dyn_kwargs, **dict(static_kwargs))
 
     def _split(self, x: PyTree, i: int) -> tuple[PyTree, bool]:
         if self.split_input_fn is None:
@@ -160,10 +260,73 @@ class GradCache:
             )
         return list(chunks), True
 
+    def _state(self) -> tuple[Any, tuple[nnx.State, ...], nnx.State]:
+        """``(graphdef, per-model Params, rest)`` of the models, split jointly.
+
+        Inside an NNX transform, each variable is replaced by its traced copy.
+        """
+        graphdef, params, rest = nnx.split(self._unique, nnx.Param, ...)
+        contexts = _update_contexts()
+        if contexts:
+            traced = lambda _, v: _traced_copy(v, contexts)
+            params, rest = nnx.map_state(traced, params), nnx.map_state(traced, rest)
+        return graphdef, _per_model(params, len(self._unique)), rest
+
+    def _check_not_constant(self, params: tuple[nnx.State, ...]) -> None:
+        """Raises if traced with weights that would be compiled in as constants."""
+        if not _under_trace():
+            return
+        constant = [
+            (i, path)
+            for i, p in enumerate(params)
+            for path, v in nnx.to_flat_state(p)
+            if not _is_traced(v.get_value())
+        ]
+        if not constant:
+            return
+        models = " and ".join(
+            f"models[{j}]" for j in sorted({self._slot.index(i) for i, _ in constant})
+        )
+        where = ", ".join(
+            f"models[{self._slot.index(i)}]." + ".".join(map(str, path)) for i, path in constant[:3]
+        )
+        raise ValueError(
+            "GradCache is being traced (jax.jit, pmap, shard_map or a tree-mode "
+            f"nnx.jit) but the weights of {models} ({where}, ...) are not traced: "
+            "they would be compiled into the step as constants, and every later call "
+            "would keep using them, ignoring optimizer updates. Either call gc inside "
+            "`@nnx.jit def step(model, optimizer, ...)` with the models as arguments "
+            "(graph mode, the default), or pass the weights as an argument of the "
+            "transform: `jax.jit(lambda params, x, y: gc(x, y, params=params))(gc.params, "
+            "x, y)`, or params=nnx.state(model, nnx.Param) of a model passed to the step."
+        )
+
+    def _check_params(self, params: Any, current: tuple[nnx.State, ...]) -> tuple:
+        n = len(self._unique)
+        params = (params,) if n == 1 else tuple(params)
+        if len(params) != n:
+            raise ValueError(
+                f"params has {len(params)} entries for {n} distinct models; pass params "
+                "structured like grads (e.g. self.params)."
+            )
+        for i, (given, want) in enumerate(zip(params, current, strict=True)):
+            got, expected = _paths(given), _paths(want)
+            if got != expected:
+                name = "params" if n == 1 else f"params[{i}]"
+                missing, extra = sorted(expected - got)[:3], sorted(got - expected)[:3]
+                raise ValueError(
+                    f"{name} does not match models[{self._slot.index(i)}]'s parameters "
+                    f"(missing {missing}, unexpected {extra}). Pass params structured "
+                    "like grads, e.g. gc.params: variables shared between models appear "
+                    "only under the first model that holds them."
+                )
+        return params
+
     @property
     def params(self) -> nnx.State | tuple[nnx.State, ...]:
         """The models' current ``nnx.Param`` state, structured like ``grads``."""
-        states = tuple(nnx.state(m, nnx.Param) for m in self._unique)
+        _, params, _ = nnx.split(self._unique, nnx.Param, ...)
+        states = _per_model(params, len(self._unique))
         return states[0] if len(states) == 1 else states
 
     def cache_step(
@@ -181,17 +344,25 @@ class GradCache:
             stream of its model reseeded with ``fold_in(fold_in(rng, i), c)``, in both
             passes; with ``rng=None`` models run deterministically.
           params: weights to use instead of the models' current ones, structured
-            like ``grads`` (e.g. ``self.params``). Inside an outer ``jax.jit``,
-            ``pmap`` or ``shard_map``, pass them as an argument of that transform:
-            weights read from the models there are baked in as constants, and a
-            cached compilation would keep using them after an optimizer update.
+            like ``grads`` (e.g. ``self.params``). Needed inside ``jax.jit``,
+            ``pmap``, ``shard_map`` or a tree-mode ``nnx.jit``, as an argument of
+            that transform (without it the call raises there). Not needed inside a
+            graph-mode ``nnx.jit`` (the default) that takes the models as
+            arguments: the traced models are read.
           **loss_kwargs: passed to ``loss_fn``. Array-valued ones are traced; others
             (e.g. ``reduction="sum"``) must be hashable and are static.
 
         Returns:
           ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``). ``grads`` is
           the ``nnx.State`` of ``nnx.Param`` for a single distinct model, else a tuple
-          with one per distinct model, in order of first appearance in ``models``.
+          with one per distinct model, in order of first appearance in ``models``; a
+          variable shared by several models is only in the first one's, with the
+          gradient summed over all of them.
+
+        Raises:
+          ValueError: if traced (``jax.jit``, ...) without ``params=`` while the
+            models' weights are not traced; if ``params`` is not structured like
+            ``grads``; if the number of inputs is not the number of models.
         """
         if len(model_inputs) != len(self.models):
             raise ValueError(
@@ -200,18 +371,15 @@ class GradCache:
             )
         inputs, joined = zip(*(self._split(x, i) for i, x in enumerate(model_inputs)), strict=True)
         dyn, static = _partition(loss_kwargs)
-        split = [nnx.split(m, nnx.Param, ...) for m in self._unique]
-        graphdefs, current, rests = zip(*split, strict=True)
-        if params is not None:
-            params = (params,) if len(self._unique) == 1 else tuple(params)
-            if len(params) != len(self._unique):
-                raise ValueError(
-                    f"params has {len(params)} entries for {len(self._unique)} distinct "
-                    "models; pass params structured like grads (e.g. self.params)."
-                )
+        graphdef, current, rest = self._state()
+        if params is None:
+            self._check_not_constant(current)
+            params = current
+        else:
+            params = self._check_params(params, current)
         out, grads = self._step(
-            current if params is None else params, rests, inputs, rng, dyn,
-            graphdefs=graphdefs, static_kwargs=static, joined=tuple(joined),
+            params, rest, inputs, rng, dyn,
+            graphdef=graphdef, static_kwargs=static, joined=tuple(joined),
         )  # fmt: skip
         return out, grads[0] if len(grads) == 1 else grads
 
