@@ -1,0 +1,139 @@
+"""Cutting pytrees into pre-chunked ``[n_chunk, rows, ...]`` layouts and back.
+
+The ``cachex`` functions take their inputs *pre-chunked*: every leaf has a leading
+``n_chunk`` axis, then the rows of one chunk. :func:`tree_chunk` makes that layout
+from a batch and :func:`tree_unchunk` undoes it; both are reshapes (no copy).
+
+Examples:
+  >>> import jax.numpy as jnp
+  >>> from gc_jax import cachex
+  >>> batch = {"input_ids": jnp.arange(24).reshape(6, 4), "label": jnp.arange(6)}
+  >>> chunked = cachex.tree_chunk(batch, 3)
+  >>> chunked["input_ids"].shape, chunked["label"].shape
+  ((3, 2, 4), (3, 2))
+  >>> back = cachex.tree_unchunk(chunked)
+  >>> bool((back["input_ids"] == batch["input_ids"]).all()), back["label"].shape
+  (True, (6,))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from gc_jax import _validation
+
+PyTree = Any
+
+
+def _int_arg(value: Any, name: str) -> int:
+    if not _validation._is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    return int(value)
+
+
+def _leaves(tree: PyTree, name: str) -> list:
+    """``(where, leaf)`` for every leaf, checking that each one is an array."""
+    found = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "reshape"):
+            raise TypeError(f"{where} must be an array, got {type(leaf).__name__}: {leaf!r}.")
+        found.append((where, leaf))
+    return found
+
+
+def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:
+    """Splits axis ``axis`` of every leaf into ``(n_chunk, size // n_chunk)``.
+
+    Args:
+      tree: a pytree of arrays (typed key arrays included) that all have an axis
+        ``axis`` divisible by ``n_chunk``.
+      n_chunk: the number of chunks, a positive int.
+      axis: the axis to split; negative values count from each leaf's last axis.
+
+    Returns:
+      ``tree`` with every leaf of shape ``[..., B, ...]`` reshaped to
+      ``[..., n_chunk, B // n_chunk, ...]``: chunk ``c`` holds rows
+      ``c * B // n_chunk`` to ``(c + 1) * B // n_chunk``.
+
+    Raises:
+      TypeError: ``n_chunk`` or ``axis`` is not an int, or a leaf is not an array.
+      ValueError: ``n_chunk`` is not positive, a leaf has no axis ``axis``, or
+        ``n_chunk`` does not divide its size.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gc_jax.cachex import tree_chunk
+      >>> tree_chunk(jnp.zeros((2, 6)), 3, axis=1).shape
+      (2, 3, 2)
+      >>> tree_chunk(jnp.zeros((5, 4)), 2)
+      Traceback (most recent call last):
+      ...
+      ValueError: n_chunk=2 does not divide axis 0 of tree (size 5); ...
+    """
+    n_chunk = _validation.positive_int(n_chunk, "n_chunk")
+    axis = _int_arg(axis, "axis")
+    leaves = _leaves(tree, "tree")
+    for where, leaf in leaves:
+        ndim = len(leaf.shape)
+        ax = axis + ndim if axis < 0 else axis
+        if not 0 <= ax < ndim:
+            raise ValueError(
+                f"axis={axis} is out of range for {where}, which has shape "
+                f"{tuple(leaf.shape)} ({ndim} axes)."
+            )
+        if leaf.shape[ax] % n_chunk:
+            raise ValueError(
+                f"n_chunk={n_chunk} does not divide axis {axis} of {where} (size "
+                f"{leaf.shape[ax]}); use a number of chunks that divides the batch size."
+            )
+
+    def one(x):
+        ax = axis + x.ndim if axis < 0 else axis
+        return x.reshape(*x.shape[:ax], n_chunk, x.shape[ax] // n_chunk, *x.shape[ax + 1 :])
+
+    return jax.tree.map(one, tree)
+
+
+def tree_unchunk(tree: PyTree, axis: int = 0) -> PyTree:
+    """Merges axes ``axis`` and ``axis + 1`` of every leaf: the inverse of :func:`tree_chunk`.
+
+    Args:
+      tree: a pytree of arrays with at least two axes from ``axis`` on.
+      axis: the chunk axis; negative values count from each leaf's last axis
+        (``-2`` merges the last two axes).
+
+    Returns:
+      ``tree`` with every leaf of shape ``[..., n_chunk, rows, ...]`` reshaped to
+      ``[..., n_chunk * rows, ...]``.
+
+    Raises:
+      TypeError: ``axis`` is not an int, or a leaf is not an array.
+      ValueError: a leaf has no axes ``axis`` and ``axis + 1``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gc_jax.cachex import tree_unchunk
+      >>> tree_unchunk({"h": jnp.zeros((4, 2, 8))})["h"].shape
+      (8, 8)
+      >>> tree_unchunk(jnp.zeros((3, 4, 2)), axis=1).shape
+      (3, 8)
+    """
+    axis = _int_arg(axis, "axis")
+    for where, leaf in _leaves(tree, "tree"):
+        ndim = len(leaf.shape)
+        ax = axis + ndim if axis < 0 else axis
+        if not 0 <= ax < ndim - 1:
+            raise ValueError(
+                f"tree_unchunk merges axes {axis} and {axis} + 1, but {where} has shape "
+                f"{tuple(leaf.shape)}; expected a [..., n_chunk, rows, ...] leaf (as made "
+                "by tree_chunk)."
+            )
+
+    def one(x):
+        ax = axis + x.ndim if axis < 0 else axis
+        return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
+
+    return jax.tree.map(one, tree)
