@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_distributed import while_bodies
 from toy import batch, doc_tower, init_params, loss_fn, query_tower
 
 import gc_jax
@@ -213,3 +214,62 @@ def test_errors_name_the_argument():
         gc_jax.chunked_encoder(lambda p, x, k: jnp.zeros((x.shape[0], x.shape[0])), 4)(
             init_params(), np.zeros((6, 2))
         )
+
+
+# ----------------------------------------------------------------- data parallelism
+
+DEVICES = 8
+
+
+def _distributed_loss(enc, axis_name):
+    def loss(p, q, d):
+        temp = jnp.exp(p["log_temp"])
+        rq, rd = enc(p, q, None), enc(p, d, None)
+        return gc_jax.losses.contrastive_loss(rq, rd, temperature=temp, axis_name=axis_name)
+
+    return loss
+
+
+def _global_reference():
+    q, d = batch(DEVICES * 3, 30)
+    full = _distributed_loss(plain(query_tower, 2), None)
+    return (q, d), jax.jit(jax.value_and_grad(full))(init_params(), q, d)
+
+
+def test_inside_shard_map_the_gradient_is_global():
+    """Shared parameters get every device's gradient summed by JAX (no axis_name needed)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    (q, d), want = _global_reference()
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    loss = _distributed_loss(gc_jax.chunked_encoder(query_tower, 2), "data")
+    step = jax.jit(
+        jax.shard_map(
+            jax.value_and_grad(loss),
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=(P(), P()),
+        )
+    )
+    q, d = (jax.device_put(v, NamedSharding(mesh, P("data"))) for v in (q, d))
+    got = step(init_params(), q, d)
+    chex.assert_trees_all_close(got, want, **TOL)
+    bodies = while_bodies(step.lower(init_params(), q, d).compile().as_text())
+    assert bodies, "expected the chunk loops in the compiled step"
+    assert all("all-reduce" not in b for b in bodies), "an all-reduce runs once per chunk"
+
+
+def test_under_pmap_per_device_gradients_sum_to_the_global_one():
+    """As for any JAX function under pmap: each device's gradient, reduced by the user."""
+    (q, d), want = _global_reference()
+    loss = _distributed_loss(gc_jax.chunked_encoder(query_tower, 2), "data")
+
+    def step(p, q, d):
+        value, grads = jax.value_and_grad(loss)(p, q, d)
+        return value, jax.lax.psum(grads, "data")
+
+    params = jax.tree.map(lambda v: jnp.broadcast_to(v, (DEVICES, *v.shape)), init_params())
+    split = lambda v: v.reshape(DEVICES, -1, *v.shape[1:])
+    value, grads = jax.pmap(step, axis_name="data")(params, split(q), split(d))
+    chex.assert_trees_all_close((value[0], jax.tree.map(lambda g: g[0], grads)), want, **TOL)
