@@ -231,7 +231,7 @@ def _distributed_loss(enc, axis_name):
 
 
 def _global_reference():
-    q, d = batch(DEVICES * 3, 30)
+    q, d = batch(DEVICES * 6, 30)
     full = _distributed_loss(plain(query_tower, 2), None)
     return (q, d), jax.jit(jax.value_and_grad(full))(init_params(), q, d)
 
