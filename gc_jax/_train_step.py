@@ -171,14 +171,181 @@ def _state_error(expected: str, state: Any) -> TypeError:
     return TypeError(f"train_step expected state to be {expected}; got {type(state).__name__}.")
 
 
+# --- optimizers ------------------------------------------------------------------------
+
+
+def _check_optimizer(optimizer: Any) -> Any:
+    """``optimizer`` as something with ``init``/``update`` (None: a TrainState's tx)."""
+    if optimizer is None or isinstance(optimizer, optax.GradientTransformation | optax.MultiSteps):
+        return optimizer
+    raise TypeError(
+        "optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), an "
+        "optax.MultiSteps, or None to train a flax TrainState; got "
+        f"{type(optimizer).__name__}: {optimizer!r}."
+    )
+
+
+def _takes_extra_args(tx: Any) -> bool:
+    """Whether ``tx.update`` accepts optax's extra arguments (``value=``, ...)."""
+    multi_steps = isinstance(tx, optax.MultiSteps) or isinstance(
+        getattr(tx.update, "__self__", None), optax.MultiSteps
+    )
+    return multi_steps or isinstance(tx, optax.GradientTransformationExtraArgs)
+
+
+def _value_fn(grad_fn, has_aux, inputs, rng, loss_scale, loss_kwargs):
+    """The loss at given params, the same batch and keys: optax's ``value_fn``.
+
+    Its derivative is the cached gradient (a ``custom_jvp``), so a line search that
+    differentiates it (``optax.lbfgs``) runs one gradient-cached pass per trial
+    point and never holds the whole batch's activations.
+    """
+
+    def value_and_grads(params):
+        out, grads = grad_fn(params, *inputs, rng=rng, loss_scale=loss_scale, **loss_kwargs)
+        return (out[0] if has_aux else out), grads
+
+    @jax.custom_jvp
+    def value_fn(params):
+        return value_and_grads(params)[0]
+
+    @value_fn.defjvp
+    def value_fn_jvp(primals, tangents):
+        value, grads = value_and_grads(primals[0])
+        pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(tangents[0]), strict=True)
+        slope = sum((jnp.vdot(g, t.astype(g.dtype)) for g, t in pairs), jnp.zeros_like(value))
+        return value, slope
+
+    return value_fn
+
+
+def _optax_update(tx, grads, opt_state, params, extra: dict[str, Any]):
+    """``tx.update``, with ``value``/``grad``/``value_fn`` where ``tx`` takes them."""
+    if not _takes_extra_args(tx):
+        return tx.update(grads, opt_state, params)
+    return tx.update(grads, opt_state, params, **extra)
+
+
+def _apply_pair(tx, trained, grads, extra):
+    params, opt_state = trained
+    updates, opt_state = _optax_update(tx, grads, opt_state, params, extra)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _apply_train_state(state: TrainState, grads, extra) -> TrainState:
+    """``state.apply_gradients(grads=grads)``, passing ``extra`` to optimizers taking it."""
+    if not _takes_extra_args(state.tx):
+        return state.apply_gradients(grads=grads)
+    owg = flax_train_state.OVERWRITE_WITH_GRADIENT
+    if owg not in grads:
+        params, opt_state = _apply_pair(state.tx, (state.params, state.opt_state), grads, extra)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    whole = state.params
+    sub_extra = dict(
+        extra,
+        grad=grads["params"],
+        value_fn=lambda p: extra["value_fn"]({**whole, "params": p}),
+    )
+    params, opt_state = _apply_pair(
+        state.tx, (whole["params"], state.opt_state), grads["params"], sub_extra
+    )
+    return state.replace(
+        step=state.step + 1,
+        params={**whole, "params": params, owg: grads[owg]},
+        opt_state=opt_state,
+    )
+
+
+# --- the two forms of state --------------------------------------------------------------
+
+
+def _unpack_train_state(state: Any, dynamic: bool) -> tuple[TrainState, Any]:
+    """``(train_state, DynamicLossScale or None)`` for ``optimizer=None``."""
+    scale = None
+    if dynamic and isinstance(state, tuple):
+        if len(state) != 2 or not isinstance(state[0], TrainState):
+            raise _state_error("a pair (TrainState, DynamicLossScale)", state)
+        state, scale = state
+    elif dynamic and isinstance(state, TrainState):
+        scale = getattr(state, "loss_scale", None)
+    if not isinstance(state, TrainState):
+        what = "a flax.training.train_state.TrainState (optimizer=None)"
+        if isinstance(state, tuple):
+            what += "; to train a (params, opt_state) tuple pass optimizer="
+        raise _state_error(what, state)
+    if dynamic and not isinstance(scale, DynamicLossScale):
+        raise TypeError(
+            "loss_scale='dynamic' needs the scale in the state: pass "
+            "(train_state, gc_jax.DynamicLossScale.create()) or a TrainState "
+            "subclass with a `loss_scale: DynamicLossScale` field."
+        )
+    return state, scale
+
+
+def _unpack_pair(state: Any, dynamic: bool) -> tuple[tuple[Any, Any], Any]:
+    """``((params, opt_state), DynamicLossScale or None)`` for a given ``optimizer``."""
+    if isinstance(state, TrainState):
+        raise TypeError(
+            "train_step got a TrainState but optimizer= was given: a TrainState "
+            "carries its own tx, so pass optimizer=None (or pass (params, opt_state))."
+        )
+    n = 3 if dynamic else 2
+    if not isinstance(state, tuple | list) or len(state) != n:
+        what = "(params, opt_state, DynamicLossScale)" if dynamic else "(params, opt_state)"
+        raise _state_error(f"a tuple {what} (optimizer= was given)", state)
+    if dynamic and not isinstance(state[2], DynamicLossScale):
+        raise TypeError(
+            "with loss_scale='dynamic' the third element of the state must be a "
+            f"gc_jax.DynamicLossScale, got {type(state[2]).__name__}."
+        )
+    return tuple(state[:2]), state[2] if dynamic else None
+
+
+def _repack(state: Any, new: Any, new_scale: DynamicLossScale | None, pair: bool) -> Any:
+    """The state to return, in the form ``state`` came in."""
+    if new_scale is None:
+        return new
+    if pair:
+        return (*new, new_scale)
+    if isinstance(state, tuple):
+        return (new, new_scale)
+    return new.replace(loss_scale=new_scale)
+
+
+def _metrics(loss, aux, grads, finite, has_aux, scale) -> dict[str, Any]:
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "is_finite": finite}
+    if has_aux:
+        metrics["aux"] = aux
+    if scale is not None:
+        metrics["loss_scale"] = jnp.asarray(scale, jnp.float32)
+    return metrics
+
+
+def _check_settings(loss_scale, skip_nonfinite, growth_interval, check_finite):
+    """Validated ``(loss_scale, growth_interval, check mode or False)``."""
+    loss_scale = _check_loss_scale(loss_scale)
+    if loss_scale == "dynamic" and not skip_nonfinite:
+        raise ValueError(
+            "loss_scale='dynamic' needs skip_nonfinite=True: an overflowing step must be "
+            "skipped (and the scale backed off), not applied."
+        )
+    growth_interval = _validation.positive_int(growth_interval, "growth_interval")
+    if not (isinstance(check_finite, bool) or check_finite in ("debug", "checkify")):
+        raise ValueError(
+            f"check_finite must be False, True, 'debug' or 'checkify', got {check_finite!r}."
+        )
+    return loss_scale, growth_interval, "debug" if check_finite is True else check_finite
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     encoders: Callable | Sequence[Callable],
     chunk_size: int | Sequence[int],
     *,
-    optimizer: optax.GradientTransformation | None = None,
+    optimizer: optax.GradientTransformation | optax.MultiSteps | None = None,
     has_aux: bool = False,
     axis_name: Any = None,
+    batch_axis: Any = None,
     skip_nonfinite: bool = True,
     loss_scale: float | str | None = None,
     growth_interval: int = 2000,
@@ -189,8 +356,15 @@ def make_train_step(
 
     The gradient is ``gc_jax.cached_value_and_grad(loss_fn, encoders, chunk_size)``
     (see there for ``loss_fn``, ``encoders``, ``chunk_size``, ``has_aux``,
-    ``axis_name`` and ``cache_dtype``); this adds the optimizer update and the
-    bookkeeping around it.
+    ``axis_name``, ``batch_axis`` and ``cache_dtype``); this adds the optimizer
+    update and the bookkeeping around it.
+
+    Optimizers that take optax's extra arguments (``GradientTransformationExtraArgs``
+    and ``optax.MultiSteps``) get ``value=`` (the loss), ``grad=`` (the gradients)
+    and ``value_fn=`` (the loss at other parameters, for the same batch, keys and
+    loss kwargs, differentiable with the cached gradient). So
+    ``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd`` and ``optax.lbfgs``
+    work as they do with full-batch ``jax.value_and_grad``; others ignore them.
 
     Args:
       loss_fn: ``loss_fn(params, *reps, **loss_kwargs)``, a scalar (or
@@ -199,12 +373,17 @@ def make_train_step(
         per input.
       chunk_size: rows encoded at once, for all inputs or one per input.
       optimizer: None to train a ``flax.training.train_state.TrainState`` (its
-        ``tx`` is used, through ``apply_gradients``); or an optax
-        ``GradientTransformation`` to train a plain ``(params, opt_state)`` tuple.
+        ``tx`` is used); or an optax ``GradientTransformation``, an
+        ``optax.MultiSteps`` (gradient accumulation over ``k`` steps) or its
+        ``.gradient_transformation()``, to train a plain ``(params, opt_state)``
+        tuple.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is returned in
         ``metrics["aux"]``.
       axis_name: the data-parallel axis under ``pmap``/``shard_map``, or None. The
         gradients are summed over it, so every device applies the same update.
+      batch_axis: under plain ``jit`` with *auto* mesh axes, the mesh axes the batch
+        is sharded over (call the step under ``jax.set_mesh(mesh)``), so every
+        device encodes its own rows of every chunk. Not needed under explicit axes.
       skip_nonfinite: if the loss or any gradient is not finite, return the state
         unchanged (params, optimizer state and ``TrainState.step``) instead of
         applying the update. ``metrics["is_finite"]`` says which happened.
@@ -242,6 +421,11 @@ def make_train_step(
       ``"is_finite"``, ``"aux"`` with ``has_aux`` and ``"loss_scale"`` (the scale
       this step used) when ``loss_scale`` is set.
 
+    Raises:
+      TypeError: if ``optimizer`` is not an optax optimizer, or (when tracing the
+        step) ``state`` does not have the form above.
+      ValueError: for a bad ``loss_scale``, ``growth_interval`` or ``check_finite``.
+
     Examples:
       Two steps of a ``TrainState`` with a chunk size of 2 rows:
 
@@ -266,74 +450,41 @@ def make_train_step(
       >>> (params, opt_state, scale), metrics = jax.jit(step)(state, q, d)
       >>> float(metrics["loss_scale"]), int(scale.good_steps)
       (32768.0, 1)
+
+      Gradient accumulation over 2 steps, and an optimizer that needs the loss:
+
+      >>> opt = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+      >>> step = jax.jit(gc_jax.make_train_step(loss, encode, 2, optimizer=opt))
+      >>> state = (params, opt.init(params))
+      >>> state, _ = step(state, q, d)
+      >>> bool(jnp.all(state[0]["w"] == params["w"]))  # accumulated, not applied yet
+      True
+      >>> opt = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))
+      >>> step = jax.jit(gc_jax.make_train_step(loss, encode, 2, optimizer=opt))
+      >>> state, metrics = step((params, opt.init(params)), q, d)  # gets value=loss
     """
-    if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
-            "optimizer must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)) "
-            f"or None to train a flax TrainState; got {type(optimizer).__name__}."
-        )
-    loss_scale = _check_loss_scale(loss_scale)
+    tx = _check_optimizer(optimizer)
+    loss_scale, growth_interval, check_mode = _check_settings(
+        loss_scale, skip_nonfinite, growth_interval, check_finite
+    )
     dynamic = loss_scale == "dynamic"
-    if dynamic and not skip_nonfinite:
-        raise ValueError(
-            "loss_scale='dynamic' needs skip_nonfinite=True: an overflowing step must be "
-            "skipped (and the scale backed off), not applied."
-        )
-    growth_interval = _validation.positive_int(growth_interval, "growth_interval")
-    if not (isinstance(check_finite, bool) or check_finite in ("debug", "checkify")):
-        raise ValueError(
-            f"check_finite must be False, True, 'debug' or 'checkify', got {check_finite!r}."
-        )
-    check_mode = "debug" if check_finite is True else check_finite
     grad_fn = cached_value_and_grad(
         loss_fn,
         encoders,
         chunk_size,
         has_aux=has_aux,
         axis_name=axis_name,
+        batch_axis=batch_axis,
         cache_dtype=cache_dtype,
     )
 
-    def split_state(state):
-        """``(trained part, params, opt_state, DynamicLossScale or None)``."""
-        if optimizer is None:
-            scale = None
-            if dynamic and isinstance(state, tuple):
-                if len(state) != 2 or not isinstance(state[0], TrainState):
-                    raise _state_error("a pair (TrainState, DynamicLossScale)", state)
-                state, scale = state
-            elif dynamic and isinstance(state, TrainState):
-                scale = getattr(state, "loss_scale", None)
-            if not isinstance(state, TrainState):
-                what = "a flax.training.train_state.TrainState (optimizer=None)"
-                if isinstance(state, tuple):
-                    what += "; to train a (params, opt_state) tuple pass optimizer="
-                raise _state_error(what, state)
-            if dynamic and not isinstance(scale, DynamicLossScale):
-                raise TypeError(
-                    "loss_scale='dynamic' needs the scale in the state: pass "
-                    "(train_state, gc_jax.DynamicLossScale.create()) or a TrainState "
-                    "subclass with a `loss_scale: DynamicLossScale` field."
-                )
-            return state, state.params, state.opt_state, scale
-        if isinstance(state, TrainState):
-            raise TypeError(
-                "train_step got a TrainState but optimizer= was given: a TrainState "
-                "carries its own tx, so pass optimizer=None (or pass (params, opt_state))."
-            )
-        n = 3 if dynamic else 2
-        if not isinstance(state, tuple | list) or len(state) != n:
-            what = "(params, opt_state, DynamicLossScale)" if dynamic else "(params, opt_state)"
-            raise _state_error(f"a tuple {what} (optimizer= was given)", state)
-        if dynamic and not isinstance(state[2], DynamicLossScale):
-            raise TypeError(
-                "with loss_scale='dynamic' the third element of the state must be a "
-                f"gc_jax.DynamicLossScale, got {type(state[2]).__name__}."
-            )
-        return tuple(state[:2]), state[0], state[1], state[2] if dynamic else None
-
     def train_step(state, *inputs, rng=None, **loss_kwargs):
-        trained, params, opt_state, scale_state = split_state(state)
+        if tx is None:
+            trained, scale_state = _unpack_train_state(state, dynamic)
+            params = trained.params
+        else:
+            trained, scale_state = _unpack_pair(state, dynamic)
+            params = trained[0]
         _validation.rng_key(rng)
         scale = scale_state.scale if dynamic else loss_scale
         out, grads = grad_fn(params, *inputs, rng=rng, loss_scale=scale, **loss_kwargs)
@@ -343,26 +494,19 @@ def make_train_step(
             grads_checked = scale_state.scale <= MIN_LOSS_SCALE if dynamic else jnp.array(True)
             _check_finite(check_mode, loss, grads, grads_checked)
 
-        if optimizer is None:
-            new = trained.apply_gradients(grads=grads)
+        value_fn = _value_fn(grad_fn, has_aux, inputs, rng, scale, loss_kwargs)
+        extra = {"value": loss, "grad": grads, "value_fn": value_fn}
+        if tx is None:
+            new = _apply_train_state(trained, grads, extra)
         else:
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new = (optax.apply_updates(params, updates), new_opt_state)
+            new = _apply_pair(tx, trained, grads, extra)
         if skip_nonfinite:
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, trained)
 
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "is_finite": finite}
-        if has_aux:
-            metrics["aux"] = aux
-        if loss_scale is not None:
-            metrics["loss_scale"] = jnp.asarray(scale, jnp.float32)
-        if not dynamic:
-            return new, metrics
-        new_scale = scale_state.update(finite, growth_interval=growth_interval)
-        if optimizer is not None:
-            return (*new, new_scale), metrics
-        if isinstance(state, tuple):
-            return (new, new_scale), metrics
-        return new.replace(loss_scale=new_scale), metrics
+        new_scale = None
+        if dynamic:
+            new_scale = scale_state.update(finite, growth_interval=growth_interval)
+        metrics = _metrics(loss, aux, grads, finite, has_aux, scale)
+        return _repack(state, new, new_scale, pair=tx is not None), metrics
 
     return train_step

@@ -101,3 +101,92 @@ def test_chunks_are_passed_like_the_pytorch_gradcache():
     assert call_with_chunk(fn, [x, x]) == ((x, x), {})
     assert call_with_chunk(fn, {"a": x}) == ((), {"a": x})
     assert call_with_chunk(fn, ([x], {"a": x})) == ((x,), {"a": x})
+
+
+# --- BatchNorm on running statistics -------------------------------------------------
+
+
+class LinenNormTower(nn.Module):
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=not self.train)(nn.Dense(16)(x))
+        h = nn.Dropout(0.3, deterministic=False)(nn.gelu(h))
+        return nn.Dense(8)(h)
+
+
+def running_stats(shift):
+    return {
+        "BatchNorm_0": {"mean": jnp.linspace(-shift, shift, 16), "var": jnp.linspace(0.5, 2, 16)}
+    }
+
+
+def test_linen_batch_norm_on_running_statistics_with_dropout():
+    model = LinenNormTower()
+    q, d = inputs()
+    params = model.init(jax.random.key(0), q)["params"]
+
+    def jitted(value_and_grad):
+        # The encoder is built inside the step from the statistics passed to it, so
+        # they are arguments of the compiled step, not constants baked into it.
+        @jax.jit
+        def step(params, batch_stats, q, d, rng):
+            encode = gc_jax.linen_encoder(model, extra_variables={"batch_stats": batch_stats})
+            return value_and_grad(loss, encode, 4)(params, q, d, rng=rng)
+
+        return step
+
+    cached = jitted(gc_jax.cached_value_and_grad)
+    full = jitted(gc_jax.testing.full_batch_value_and_grad)
+    outs = []
+    for shift in (0.5, -1.0):
+        args = (params, running_stats(shift), q, d, jax.random.key(1))
+        outs.append(cached(*args))
+        chex.assert_trees_all_close(outs[-1], full(*args), rtol=2e-5, atol=2e-6)
+    assert not jnp.allclose(outs[0][0], outs[1][0]), "the statistics must be used"
+
+
+@pytest.mark.parametrize(
+    ("train", "extra", "error", "match"),
+    [
+        (False, None, ValueError, r"reads the variable collection 'batch_stats'.*extra_var"),
+        (True, {"batch_stats": running_stats(0.0)}, ValueError, r"BatchNorm in training mode"),
+        (False, {"params": {}}, ValueError, "extra_variables must not contain 'params'"),
+        (False, [1], TypeError, "extra_variables must be a mapping.*got list"),
+    ],
+)
+def test_linen_variable_collection_errors(train, extra, error, match):
+    model = LinenNormTower(train=train)
+    q, d = inputs()
+    params = LinenNormTower().init(jax.random.key(0), q)["params"]
+    with pytest.raises(error, match=match):
+        encode = gc_jax.linen_encoder(model, extra_variables=extra)
+        jax.eval_shape(gc_jax.cached_value_and_grad(loss, encode, 4), params, q, d)
+
+
+class NNXNormTower(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense1 = nnx.Linear(6, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3, rngs=rngs)
+        self.dense2 = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(self.dropout(nnx.gelu(self.norm(self.dense1(x)))))
+
+
+def test_nnx_batch_norm_on_running_statistics_with_dropout():
+    model = NNXNormTower(nnx.Rngs(0))
+    model.norm.mean.set_value(jnp.linspace(-1.0, 1.0, 16))
+    model.norm.var.set_value(jnp.linspace(0.5, 2.0, 16))
+    params = nnx.state(model, nnx.Param)
+    q, d = inputs()
+    # What a user writes: a view on running statistics (dropout stays on).
+    encode = gc_jax.nnx_encoder(nnx.view(model, use_running_average=True))
+    compare(encode, params, 4, q, d, jax.random.key(3))
+    # In training mode BatchNorm would normalise each chunk by its own statistics.
+    with pytest.raises(ValueError, match=r"updated its nnx.BatchStat.*model.norm.mean"):
+        jax.eval_shape(
+            gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(model), 4), params, q, d
+        )

@@ -350,3 +350,116 @@ def test_pmap_train_state_matches_full_batch():
         jax.tree.map(lambda x: x[0], state.params), want_params, rtol=1e-4, atol=1e-5
     )
     assert int(state.step[0]) == 2
+
+
+# --- optimizers beyond a plain GradientTransformation --------------------------------
+
+
+def reference_optax_training(tx, data, extra=False):
+    """Full-batch training with ``tx``; ``extra`` passes value=, grad= and value_fn=."""
+
+    @jax.jit
+    def step(params, opt_state, q, d):
+        loss, grads = full_batch_grad()(params, q, d)
+        kwargs = {}
+        if extra:
+            total = lambda p: infonce(p, query_tower(p, q, None), doc_tower(p, d, None))
+            kwargs = dict(value=loss, grad=grads, value_fn=total)
+        updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params, opt_state, trajectory = init_params(), tx.init(init_params()), []
+    for q, d in data:
+        params, opt_state, loss = step(params, opt_state, q, d)
+        trajectory.append((params, loss))
+    return trajectory, opt_state
+
+
+def run_training(step, state, data, params_of=lambda s: s[0]):
+    trajectory = []
+    for q, d in data:
+        state, metrics = step(state, q, d)
+        trajectory.append((params_of(state), metrics["loss"]))
+    return trajectory, state
+
+
+@pytest.mark.parametrize("form", ["multi_steps", "gradient_transformation", "train_state"])
+def test_multi_steps_accumulates_like_full_batch(form):
+    multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    data = batches(4)
+    want, _ = reference_optax_training(multi, data)
+    if form == "train_state":
+        state = TrainState.create(apply_fn=None, params=init_params(), tx=multi)
+        step = gc_jax.make_train_step(infonce, ENCODERS, 5)
+        got, state = run_training(jax.jit(step), state, data, lambda s: s.params)
+    else:
+        tx = multi if form == "multi_steps" else multi.gradient_transformation()
+        step = gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx)
+        got, state = run_training(jax.jit(step), (init_params(), tx.init(init_params())), data)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    # Accumulated on odd steps, applied on even ones.
+    chex.assert_trees_all_equal(got[0][0], init_params())
+    assert not np.allclose(got[1][0]["w1"], init_params()["w1"])
+
+
+def test_reduce_on_plateau_gets_the_loss():
+    tx = optax.chain(
+        optax.sgd(0.5), optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0)
+    )
+    data = batches(5)
+    want, want_opt_state = reference_optax_training(tx, data, extra=True)
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx))
+    got, (_, opt_state) = run_training(step, (init_params(), tx.init(init_params())), data)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(opt_state, want_opt_state, rtol=1e-5, atol=1e-6)
+    assert float(want_opt_state[1].scale) < 1.0, "the plateau logic should have engaged"
+
+
+def test_lbfgs_line_search_uses_the_cached_loss():
+    tx = optax.lbfgs()
+    q, d = batches(1)[0]
+    data = [(q, d)] * 3  # L-BFGS is for a fixed objective
+    want, _ = reference_optax_training(tx, data, extra=True)
+    state = TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 6))  # 2 chunks per input
+    got, _ = run_training(step, state, data, lambda s: s.params)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+    assert float(got[-1][1]) < float(got[0][1])
+
+
+def test_sharded_jit_with_auto_axes_and_batch_axis():
+    assert jax.device_count() >= 8, (
+        "this test needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = TXS["adamw_small"]
+    data = batches(3, rows=32)
+    want_params, want_losses = reference_training("adamw_small", data)
+    step = gc_jax.make_train_step(infonce, ENCODERS, 3, optimizer=tx, batch_axis="data")
+    step = jax.jit(step)
+    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    state, losses = (init_params(), tx.init(init_params())), []
+    with jax.set_mesh(mesh):
+        for q, d in data:
+            state, metrics = step(state, shard(q), shard(d))
+            losses.append(metrics["loss"])
+        hlo = step.lower(state, shard(q), shard(d)).compile().as_text()
+    chex.assert_trees_all_close(jnp.stack(losses), want_losses, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state[0], want_params, rtol=1e-4, atol=1e-5)
+    # batch_axis reached the chunking: every device encodes its own rows.
+    assert "collective-permute" not in hlo and "all-to-all" not in hlo
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(optimizer="adam"), TypeError, r"optimizer must be an optax.*got str: 'adam'"),
+        (dict(optimizer=optax.adam), TypeError, "optimizer must be an optax"),
+        (dict(loss_scale="static"), ValueError, "loss_scale must be"),
+        (dict(loss_scale="dynamic", skip_nonfinite=False), ValueError, "skip_nonfinite=True"),
+        (dict(check_finite="yes"), ValueError, "check_finite must be"),
+    ],
+)
+def test_construction_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gc_jax.make_train_step(infonce, ENCODERS, 5, **kwargs)
