@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -664,8 +665,17 @@ def _metrics_line(metrics: dict[str, float]) -> str:
     return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items())
 
 
+def run_defaults(run_config: dict[str, Any]) -> ModelDefaults:
+    """The model's defaults with the sequence lengths the run was started with."""
+    return dataclasses.replace(
+        DEFAULTS[run_config["flags"]["model"]],
+        query_length=run_config["query_length"],
+        document_length=run_config["document_length"],
+    )
+
+
 def describe_model(run: Run, args: argparse.Namespace) -> None:
-    config, defaults = run.model.config, DEFAULTS[args.model]
+    config, defaults = run.model.config, run_defaults(run.config)
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
     print(
         f"model: {args.model}, {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} "
@@ -690,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"run directory: {directory}")
     run = open_run(args, parser)
     describe_model(run, args)
-    defaults = DEFAULTS[args.model]
+    defaults = run_defaults(run.config)
     train_data = tokenize(run.tokenizer, run.split.train, defaults)
     held_out = tokenize(run.tokenizer, run.split.held_out, defaults)
     evaluate = make_evaluator(run.model, held_out, batch_size=args.batch)

@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from tokenizers import Tokenizer
@@ -118,12 +118,19 @@ def load_pairs(path: Path) -> tuple[list[retrieval_data.Pair], retrieval_data.Sp
 def checkpoint_manager(directory: Path, *, read_only: bool = False) -> ocp.CheckpointManager:
     """The run's Orbax checkpoint manager (synchronous saves, the latest two kept)."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=MAX_TO_KEEP,
+        max_to_keep=None if read_only else MAX_TO_KEEP,
+        save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=False,
         read_only=read_only,
         create=not read_only,
     )
-    return ocp.CheckpointManager(directory.absolute() / CHECKPOINTS, options=options)
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # not "Given directory is read only" on every search
+    try:
+        return ocp.CheckpointManager(directory.absolute() / CHECKPOINTS, options=options)
+    finally:
+        absl_logger.setLevel(level)
 
 
 def save_checkpoint(
@@ -204,11 +211,3 @@ def append_metrics(path: Path, record: dict[str, Any]) -> None:
 def records_of(records: Iterable[dict[str, Any]], kind: str) -> Iterator[dict[str, Any]]:
     """The records of one kind: ``"train"``, ``"eval"`` or ``"compile"``."""
     return (r for r in records if r["kind"] == kind)
-
-
-def as_json_numbers(values: dict[str, Any]) -> dict[str, Any]:
-    """Numpy / JAX scalars as Python numbers."""
-    return {
-        k: v.item() if isinstance(v, np.generic | np.ndarray | jax.Array) else v
-        for k, v in values.items()
-    }

