@@ -30,6 +30,7 @@ gradients of ``x`` and ``ys`` come back in their own dtypes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -95,15 +96,61 @@ class _Sigmoid:
         return jnp.where(valid, jnp.where(pos, -jax.nn.sigmoid(-z), jax.nn.sigmoid(z)), 0)
 
 
-def _blocks(v: jax.Array, size: int) -> jax.Array:
-    """``v``'s rows padded to a multiple of ``size`` and stacked as ``[-1, size, ...]``."""
+def _bits(v: jax.Array) -> jax.Array:
+    """A float array narrower than float32 as unsigned ints of the same width."""
+    return jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{8 * v.dtype.itemsize}"))
+
+
+def _narrow(v: jax.Array) -> bool:
+    return jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize < 4
+
+
+def _on_cpu_as_bits(plain: Callable, *args: jax.Array) -> jax.Array:
+    """``plain(*args)`` (a slice or an update of narrow floats), done on their bits on CPU.
+
+    XLA's CPU backend computes bfloat16 ops, slicing included, in float32: slicing a
+    block out of a bfloat16 array in a loop would widen the whole array, once, outside
+    the loop. On the bits, only the block is ever converted. Other platforms slice
+    narrow floats natively, and get ``plain``.
+    """
+
+    def as_bits(*args):
+        return jax.lax.bitcast_convert_type(plain(*map(_bits, args)), args[0].dtype)
+
+    return jax.lax.platform_dependent(*args, cpu=as_bits, default=plain)
+
+
+def _read(v: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    """Rows ``start : start + size`` of ``v``."""
+    read = lambda v: jax.lax.dynamic_slice_in_dim(v, start, size)
+    return _on_cpu_as_bits(read, v) if _narrow(v) else read(v)
+
+
+def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """``buf`` with ``rows`` written from row ``start`` on (in place)."""
+    write = lambda buf, rows: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, 0)
+    return _on_cpu_as_bits(write, buf, rows) if _narrow(buf) else write(buf, rows)
+
+
+def _loop(body: Callable, steps: int, init: Any, *arrays: jax.Array) -> Any:
+    """``fori_loop`` of ``carry = body(i, carry, *arrays)``, reading blocks of ``arrays``.
+
+    ``arrays`` are carried through an optimisation barrier, so XLA cannot hoist work
+    on them whole out of the loop (only blocks of them are meant to be touched).
+    """
+
+    def step(i, state):
+        carry, arrays = state
+        arrays = jax.lax.optimization_barrier(arrays)
+        return body(i, carry, *arrays), arrays
+
+    return jax.lax.fori_loop(0, steps, step, (init, arrays))[0]
+
+
+def _padded(v: jax.Array, size: int) -> jax.Array:
+    """``v`` with zero rows appended up to a multiple of ``size`` (itself if none are needed)."""
     pad = -v.shape[0] % size
-    v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
-    return v.reshape(-1, size, *v.shape[1:])
-
-
-def _unblock(v: jax.Array, rows: int) -> jax.Array:
-    return v.reshape(-1, *v.shape[2:])[:rows]
+    return jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) if pad else v
 
 
 def _tile(
@@ -128,7 +175,7 @@ def _sizes(block: int, x: jax.Array, ys: jax.Array) -> tuple[int, int]:
 def _varying_like(tree: Any, *others: jax.Array) -> Any:
     """Casts ``tree``'s leaves to vary over every ``shard_map`` axis ``others`` vary over.
 
-    Scan carries must keep their types, and the custom VJP's cotangents must have the
+    Loop carries must keep their types, and the custom VJP's cotangents must have the
     types of its inputs: a replicated scalar used with per-device rows is cast outside
     the custom VJP, and gets its (psummed) gradient through the cast.
     """
@@ -141,8 +188,9 @@ def _varying_like(tree: Any, *others: jax.Array) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _zeros(shape: tuple, dtype: Any, *like: jax.Array) -> jax.Array:
-    return _varying_like(jnp.zeros(shape, dtype), *like)
+def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
+    """Zeros typed like ``like`` (shape, and mesh under explicit axes), varying like ``others``."""
+    return _varying_like(jnp.zeros_like(like, dtype), *others)
 
 
 def _forward(
@@ -154,23 +202,25 @@ def _forward(
     scale: Scalar,
     bias: Scalar,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-row losses and statistics: ``lax.map`` over query blocks, ``scan`` over ``ys``."""
+    """Per-row losses and statistics: a loop over query blocks, an inner one over ``ys``."""
     bq, bk = _sizes(block, x, ys)
-    keys = (_blocks(ys, bk), jnp.arange(-(-ys.shape[0] // bk)) * bk)
+    xp, tp, yp = _padded(x, bq), _padded(targets, bq), _padded(ys, bk)
+    acc = scale.dtype
 
-    def query_block(args):
-        xq, tq = args
+    def query_block(i, out, xp, tp, yp):
+        xq, tq = _read(xp, i * bq, bq), _read(tp, i * bq, bq)
 
-        def step(carry, key):
-            yk, start = key
-            _, z, valid, pos = _tile(xq, yk, tq, start, ys.shape[0], scale, bias)
-            return kind.update(carry, z, valid, pos), None
+        def step(j, carry, yp):
+            _, z, valid, pos = _tile(xq, _read(yp, j * bk, bk), tq, j * bk, len(ys), scale, bias)
+            return kind.update(carry, z, valid, pos)
 
-        init = _varying_like(kind.init(bq, scale.dtype), x, ys)
-        return kind.finish(jax.lax.scan(step, init, keys)[0])
+        init = _varying_like(kind.init(bq, acc), x, ys)
+        rows = kind.finish(_loop(step, len(yp) // bk, init, yp))
+        return tuple(_write(o, r, i * bq) for o, r in zip(out, rows, strict=True))
 
-    loss, stat = jax.lax.map(query_block, (_blocks(x, bq), _blocks(targets, bq)))
-    return _unblock(loss, x.shape[0]), _unblock(stat, x.shape[0])
+    out = (_zeros(xp[:, 0], acc, x, ys),) * 2
+    loss, stat = _loop(query_block, len(xp) // bq, out, xp, tp, yp)
+    return loss[: len(x)], stat[: len(x)]
 
 
 def _backward(
@@ -188,42 +238,49 @@ def _backward(
 
     Two sweeps recompute every tile's ``dz``: one over query blocks sums each block's
     ``dx`` (and the scalars' gradients) over the key blocks, one over key blocks sums
-    each block's ``dy`` over the query blocks. Each block's gradient is accumulated in
-    ``scale``'s dtype and written in its input's dtype, so no batch-sized array ever
-    exists in a wider dtype than the inputs'.
+    each block's ``dy`` over the query blocks. A block's gradient is accumulated in
+    ``scale``'s dtype and written in its input's dtype: no batch-sized array ever
+    exists in a dtype wider than the inputs'.
     """
     bq, bk = _sizes(block, x, ys)
-    m, acc = ys.shape[0], scale.dtype
-    queries = tuple(_blocks(v, bq) for v in (x, targets, stat, g))
-    keys = (_blocks(ys, bk), jnp.arange(-(-m // bk)) * bk)
+    acc = scale.dtype
+    queries = tuple(_padded(v, bq) for v in (x, targets, stat, g))
+    yp = _padded(ys, bk)
+    nq, nk = len(queries[0]) // bq, len(yp) // bk
 
-    def dlogits(xq, tq, sq, gq, yk, start):
-        raw, z, valid, pos = _tile(xq, yk, tq, start, m, scale, bias)
-        return raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
+    def dlogits(i, queries, j, yp):
+        """Tile ``(i, j)``: its query and key blocks, raw scores, and ``dz``."""
+        xq, tq, sq, gq = (_read(v, i * bq, bq) for v in queries)
+        yk = _read(yp, j * bk, bk)
+        raw, z, valid, pos = _tile(xq, yk, tq, j * bk, len(ys), scale, bias)
+        return xq, yk, raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
 
-    def query_block(scalars, query):
-        def step(carry, key):
+    def query_block(i, carry, yp, *queries):
+        def step(j, carry, yp):
             dxq, dscale, dbias = carry
-            raw, dz = dlogits(*query, *key)
-            dxq = dxq + jnp.matmul(dz, key[0], preferred_element_type=acc)
-            return (dxq, dscale + (dz * raw).sum(), dbias + dz.sum()), None
+            _, yk, raw, dz = dlogits(i, queries, j, yp)
+            dxq = dxq + jnp.matmul(dz, yk, preferred_element_type=acc)
+            return dxq, dscale + (dz * raw).sum(), dbias + dz.sum()
 
-        init = (_zeros((bq, x.shape[1]), acc, x, ys), *scalars)
-        dxq, *scalars = jax.lax.scan(step, init, keys)[0]
-        return tuple(scalars), (scale * dxq).astype(x.dtype)
+        dx, *scalars = carry
+        dxq, *scalars = _loop(step, nk, (_zeros(queries[0][:bq], acc, x, ys), *scalars), yp)
+        return _write(dx, (scale * dxq).astype(x.dtype), i * bq), *scalars
 
-    def key_block(key):
-        def step(dyk, query):
-            _, dz = dlogits(*query, *key)
-            return dyk + jnp.matmul(dz.T, query[0], preferred_element_type=acc), None
+    def key_block(j, dy, yp, *queries):
+        def step(i, dyk, *queries):
+            xq, _, _, dz = dlogits(i, queries, j, yp)
+            return dyk + jnp.matmul(dz.T, xq, preferred_element_type=acc)
 
-        dyk = jax.lax.scan(step, _zeros((bk, ys.shape[1]), acc, x, ys), queries)[0]
-        return (scale * dyk).astype(ys.dtype)
+        dyk = _loop(step, nq, _zeros(yp[:bk], acc, x, ys), *queries)
+        return _write(dy, (scale * dyk).astype(ys.dtype), j * bk)
 
-    zero = _zeros((), acc, x, ys)
-    (dscale, dbias), dx = jax.lax.scan(query_block, (zero, zero), queries)
-    dys = jax.lax.map(key_block, keys)
-    return _unblock(dx, x.shape[0]), _unblock(dys, m), dscale, dbias
+    # Every row of dx and dy is written once, so their buffers start as copies of x
+    # and ys: zeros would be one batch-sized broadcast, shared (and copied) by both.
+    zero = _zeros(yp[0, 0], acc, x, ys)
+    init = (_varying_like(queries[0], x, ys), zero, zero)
+    dx, dscale, dbias = _loop(query_block, nq, init, yp, *queries)
+    dy = _loop(key_block, nk, _varying_like(yp, x, ys), yp, *queries)
+    return dx[: len(x)], dy[: len(ys)], dscale, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
