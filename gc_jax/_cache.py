@@ -204,8 +204,7 @@ def cached_value_and_grad(
             loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
         )
         acc = jax.tree.map(lambda g: g.astype(_passes.wide(g.dtype)), acc)
-        for i in reversed(range(len(plan))):  # the kept chunk first, freeing its activations
-            acc, _ = _passes.backward(plan[i], pparams, rep_grads[i], acc, tail_vjp=kept[i])
+        acc, _ = _passes.backward(plan, pparams, list(rep_grads), acc, tail_vjps=kept)
         if loss_scale is not None:
             acc = jax.tree.map(lambda g: g / loss_scale, acc)
         grads = jax.tree.map(

@@ -92,7 +92,7 @@ def _bwd(config: _Config, residuals, ct):
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
     acc = jax.tree.map(lambda p: jnp.zeros(p.shape, _passes.wide(p.dtype)), params)
-    acc, batch_grads = _passes.backward(inp, params, ct, acc)
+    acc, (batch_grads,) = _passes.backward([inp], params, [ct], acc)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates
     batch_grads = [next(it) if w else None for w in wrt.value]

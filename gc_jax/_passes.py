@@ -187,32 +187,81 @@ def input_grad_buffer(inp: Input) -> list:
     return [jnp.zeros_like(x) for x in _differentiated(inp.batch, inp.wrt)]
 
 
-def backward(inp: Input, params: PyTree, rep_grad: PyTree, acc: PyTree, *,
-             tail_vjp: Any = None) -> tuple[PyTree, list]:  # fmt: skip
-    """Pass 2: ``acc`` plus every chunk's parameter gradient, and the batch's gradients.
+def _pullback(inp: Input, shapes: PyTree, rep_grad: PyTree, c, vjp=None):
+    """``step(carry) -> carry``: chunk ``c``'s gradients added to ``(acc, dx)``.
 
-    ``rep_grad`` has the structure of the representations; leaves of non-float
-    outputs are ignored. Returns ``(acc, batch_grads)`` where ``batch_grads`` lists
-    the gradients of the differentiated leaves of the batch (``inp.wrt``).
+    ``vjp``: the chunk's VJP kept from pass 1; None: the chunk is encoded again.
     """
-    shapes = output_shapes(inp, params)
-    dx = input_grad_buffer(inp)
-    put_dx = lambda dx, g, c: [_chunking.put(b, x, inp.plan, c) for b, x in zip(dx, g, strict=True)]
-    if tail_vjp is None:  # re-encode the tail, as every other chunk
-        # The barrier makes the re-encoding wait for the gradient so far: XLA can
-        # neither hoist it next to pass 1 nor merge it with pass 1's forward.
-        acc, params = jax.lax.optimization_barrier((acc, params))
-        tail_vjp = jax.vjp(_encoder(inp, None, remat=True), params, _diff(inp, None))[1]
-    g_params, g_x = tail_vjp(_cotangent(rep_grad, shapes, inp.plan, None))
-    acc, dx = _add(acc, g_params), put_dx(dx, g_x, None)
-    if not inp.plan.num_body:
-        return acc, dx
-    acc, params = jax.lax.optimization_barrier((acc, params))
 
-    def step(c, carry):
+    def step(params, carry):
         acc, dx = carry
-        _, vjp = jax.vjp(_encoder(inp, c, remat=True), params, _diff(inp, c))
-        g_params, g_x = vjp(_cotangent(rep_grad, shapes, inp.plan, c))
-        return _add(acc, g_params), put_dx(dx, g_x, c)
+        pull = vjp or jax.vjp(_encoder(inp, c, remat=True), params, _diff(inp, c))[1]
+        g_params, g_x = pull(_cotangent(rep_grad, shapes, inp.plan, c))
+        dx = [_chunking.put(b, x, inp.plan, c) for b, x in zip(dx, g_x, strict=True)]
+        return _add(acc, g_params), dx
 
-    return jax.lax.fori_loop(0, inp.plan.num_body, step, (acc, dx))
+    return step
+
+
+def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, *,
+             tail_vjps: list | None = None) -> tuple[PyTree, list[list]]:  # fmt: skip
+    """Pass 2 of every input: ``acc`` plus every chunk's parameter gradient.
+
+    Kept tails (``tail_vjps[i]``, from :func:`forward`) are pulled back first, freeing
+    their activations; then *one* loop re-encodes every other chunk of every input
+    (a ``lax.switch`` picks the input), so the buffers of one chunk's backward are
+    allocated once for all inputs. ``rep_grads[i]`` has the structure of input
+    ``i``'s representations (leaves of non-float outputs are ignored).
+
+    Returns:
+      ``(acc, batch_grads)``: ``batch_grads[i]`` lists the gradients of the
+      differentiated leaves of input ``i``'s batch (``inputs[i].wrt``).
+    """
+    tail_vjps = tail_vjps or [None] * len(inputs)
+    shapes = [output_shapes(inp, params) for inp in inputs]
+    carry = (acc, [input_grad_buffer(inp) for inp in inputs])
+    pieces = []  # (input, chunk index or None for the tail, how many) re-encoded in the loop
+    for i, (inp, vjp) in enumerate(zip(inputs, tail_vjps, strict=True)):
+        if vjp is not None:
+            step = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
+            carry = _for_input(i, step)(params, carry)
+        if inp.plan.num_body:
+            pieces.append((i, True, inp.plan.num_body))
+        if vjp is None:
+            pieces.append((i, False, 1))
+    if not pieces:
+        return carry
+    # The barrier makes the re-encoding wait for the gradient so far: XLA can neither
+    # hoist it next to pass 1 nor merge it with pass 1's forward.
+    carry, params = jax.lax.optimization_barrier((carry, params))
+    starts = np.cumsum([0] + [n for _, _, n in pieces])
+
+    def branch(piece):
+        i, body, _ = piece
+
+        def run(c, carry):
+            step = _pullback(inputs[i], shapes[i], rep_grads[i], c if body else None)
+            return _for_input(i, step)(params, carry)
+
+        return run
+
+    branches = [branch(p) for p in pieces]
+
+    def step(g, carry):
+        if len(branches) == 1:
+            return branches[0](g, carry)
+        k = jnp.sum(g >= jnp.asarray(starts[1:-1]))
+        return jax.lax.switch(k, branches, g - jnp.asarray(starts)[k], carry)
+
+    return jax.lax.fori_loop(0, int(starts[-1]), step, carry)
+
+
+def _for_input(i: int, step):
+    """Applies an input's ``step(params, (acc, dx_i))`` to ``(acc, [dx_0, dx_1, ...])``."""
+
+    def run(params, carry):
+        acc, dxs = carry
+        acc, dx = step(params, (acc, dxs[i]))
+        return acc, [*dxs[:i], dx, *dxs[i + 1 :]]
+
+    return run

@@ -1,0 +1,145 @@
+"""Compiled memory of one training step of a BERT-base dual encoder, batch 2^12 to 2^20.
+
+Nothing is executed: every step is jitted, lowered with ``ShapeDtypeStruct``s and
+compiled, and XLA's ``memory_analysis()`` gives the bytes of its arguments
+(parameters and the batch), temporaries and outputs (loss and gradients).
+
+The model (``benchmarks/bert.py``): two BERT-base towers (12 layers, width 768,
+float32 parameters, bfloat16 compute), queries of 32 tokens and passages of 128,
+one passage per query, InfoNCE with the blockwise loss (``block_size=4096``).
+
+Per-row bytes are the growth of the total from the second-largest to the largest
+batch, divided by the rows added. The *floor* is what any exact step must hold per
+row: the token ids and masks (``(32 + 128) x (4 + 1)`` bytes) plus, for both towers,
+the bfloat16 representation and its bfloat16 gradient (``4 x 768 x 2`` bytes).
+
+Usage::
+
+    python benchmarks/extreme_batch.py                 # gc_jax 2^12..2^20, baselines to 2^16
+    python benchmarks/extreme_batch.py --quick         # a tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bert
+
+GIB, KIB = 2**30, 2**10
+LIMIT = 16 * GIB  # one TPU v5e chip's HBM
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--log2-batches", type=int, nargs="+", default=[12, 14, 16, 18, 20])
+    p.add_argument(
+        "--baseline-max-log2",
+        type=int,
+        default=16,
+        help="largest log2 batch compiled for the full-batch baselines",
+    )
+    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--block", type=int, default=4096)
+    p.add_argument("--json", type=Path, help="write the table as JSON here")
+    p.add_argument("--quick", action="store_true", help="a tiny model and batches")
+    return p.parse_args(argv)  # fmt: skip
+
+
+def floor_per_row(cfg: bert.BertConfig) -> int:
+    """Bytes per row no exact step can avoid: inputs, plus reps and their gradients."""
+    inputs = (cfg.query_len + cfg.passage_len) * (4 + 1)
+    reps = 4 * cfg.width * jnp.dtype(cfg.compute_dtype).itemsize
+    return inputs + reps
+
+
+def analyse(step, params, queries, passages) -> dict:
+    start = time.perf_counter()
+    m = jax.jit(step).lower(params, queries, passages).compile().memory_analysis()
+    sizes = {
+        "arguments": m.argument_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
+    }
+    sizes["total"] = sizes["arguments"] + sizes["temp"] + sizes["outputs"] - sizes["aliased"]
+    sizes["compile_s"] = time.perf_counter() - start
+    return sizes
+
+
+def run(cfg: bert.BertConfig, args: argparse.Namespace) -> dict:
+    params = bert.abstract_params(cfg)
+    variants = bert.steps(cfg, args.chunk, args.block)
+    results: dict = {name: {} for name in variants}
+    for log2 in args.log2_batches:
+        rows = 2**log2
+        q = bert.abstract_batch(cfg, rows, cfg.query_len)
+        p = bert.abstract_batch(cfg, rows, cfg.passage_len)
+        for name, step in variants.items():
+            if name != "gc_jax" and log2 > args.baseline_max_log2:
+                continue
+            results[name][rows] = analyse(step, params, q, p)
+            r = results[name][rows]
+            print(
+                f"  {name:16s} B=2^{log2:<2d} args {r['arguments'] / GIB:7.2f} GiB  temp "
+                f"{r['temp'] / GIB:7.2f}  out {r['outputs'] / GIB:5.2f}  total "
+                f"{r['total'] / GIB:7.2f} GiB{'  > 16 GiB' if r['total'] > LIMIT else ''}"
+                f"  (compiled in {r['compile_s']:.0f} s)",
+                flush=True,
+            )
+    return results
+
+
+def per_row(sizes: dict) -> float | None:
+    rows = sorted(sizes)
+    if len(rows) < 2:
+        return None
+    a, b = rows[-2], rows[-1]
+    return (sizes[b]["total"] - sizes[a]["total"]) / (b - a)
+
+
+def report(cfg: bert.BertConfig, args: argparse.Namespace, results: dict) -> None:
+    floor = floor_per_row(cfg)
+    print(f"\nfloor: {floor} B per row ({floor / KIB:.2f} KiB)")
+    print("\n| variant | batch | arguments GiB | temp GiB | outputs GiB | total GiB | <= 16 GiB |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, sizes in results.items():
+        for rows, r in sorted(sizes.items()):
+            print(
+                f"| {name} | 2^{rows.bit_length() - 1} | {r['arguments'] / GIB:.2f} | "
+                f"{r['temp'] / GIB:.2f} | {r['outputs'] / GIB:.2f} | {r['total'] / GIB:.2f} | "
+                f"{'yes' if r['total'] <= LIMIT else 'no'} |"
+            )
+    print("\n| variant | per-row bytes (last two batches) | vs floor |")
+    print("|---|---:|---:|")
+    for name, sizes in results.items():
+        growth = per_row(sizes)
+        if growth is not None:
+            print(f"| {name} | {growth:,.0f} ({growth / KIB:.2f} KiB) | {growth / floor:.3f} |")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = bert.BertConfig()
+    if args.quick:
+        cfg = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128,
+                              query_len=8, passage_len=16)  # fmt: skip
+        args.log2_batches, args.baseline_max_log2, args.chunk, args.block = [8, 10], 10, 16, 128
+    print(f"JAX {jax.__version__}, backend {jax.default_backend()}; {cfg.describe()}")
+    print(f"gc_jax chunk {args.chunk}, blockwise loss block {args.block}; compile only")
+    results = run(cfg, args)
+    report(cfg, args, results)
+    if args.json:
+        table = {k: {str(r): v for r, v in s.items()} for k, s in results.items()}
+        args.json.write_text(json.dumps({"config": cfg.describe(), "results": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
