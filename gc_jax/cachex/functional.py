@@ -207,7 +207,7 @@ def cache_grad(encode_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
                 f"but params has {jax.tree.structure(params)}; start from e.g. "
                 "jax.tree.map(jnp.zeros_like, params)."
             )
-        return _passes.backward(inp, params, cached_grad, grad_accumulator)[0]
+        return _passes.backward([inp], params, [cached_grad], grad_accumulator)[0]
 
     return f
 
