@@ -269,7 +269,10 @@ class GradCache:
         contexts = _update_contexts()
         if contexts:
             traced = lambda _, v: _traced_copy(v, contexts)
-            params, rest = nnx.map_state(traced, params), nnx.map_state(traced, rest)
+            try:
+                params, rest = nnx.map_state(traced, params), nnx.map_state(traced, rest)
+            except (AttributeError, KeyError, TypeError):  # Flax internals changed:
+                pass  # no mapping, and _check_not_constant raises if it was needed
         return graphdef, _per_model(params, len(self._unique)), rest
 
     def _check_not_constant(self, params: tuple[nnx.State, ...]) -> None:

@@ -435,18 +435,12 @@ class NormTower(nnx.Module):
         return self.out(self.drop(jnp.tanh(self.norm(self.hidden(x)))))
 
 
-def test_batch_norm_on_running_statistics_with_dropout():
-    mq, md = NormTower(0), NormTower(1)
-    for m in (mq, md):  # running statistics that are not the identity
-        m.norm.mean.set_value(jnp.linspace(-1.0, 1.0, 16))
-        m.norm.var.set_value(jnp.linspace(0.5, 2.0, 16))
-    views = [nnx.view(m, use_running_average=True) for m in (mq, md)]
-    rng = jax.random.key(5)
-    loss, grads = gc_jax.GradCache(views, 3, contrastive_loss)(batch(1), batch(2), rng=rng)
-    ref_loss, ref_grads = reference_with_chunk_keys(
-        views, [batch(1), batch(2)], 3, rng, contrastive_loss
-    )
-    chex.assert_trees_all_close((loss, list(grads)), (ref_loss, ref_grads), **TOL)
+def test_batch_norm_in_training_mode_raises():
+    """Per-chunk batch statistics are not the full batch's: an error, never silent.
 
+    What to write instead, nnx.view(model, use_running_average=True), is tested
+    against the full batch in test_flax.py.
+    """
+    mq, md = NormTower(0), NormTower(1)
     with pytest.raises(ValueError, match=r"models\[0\] updated its nnx.BatchStat.*norm.mean"):
         gc_jax.GradCache([mq, md], 3, contrastive_loss)(batch(1), batch(2))
