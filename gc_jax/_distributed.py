@@ -62,7 +62,8 @@ def global_loss(local_share: jax.Array, axis_name: AxisName | None) -> jax.Array
       axis_name: the data-parallel axis, or None (then ``local_share`` is returned).
 
     Returns:
-      ``psum(local_share)`` in value; differentiates like ``local_share``.
+      ``psum(local_share)`` in value (typed replicated under ``shard_map``, for
+      ``out_specs=P()``); differentiates like ``local_share``.
 
     Examples:
       A distributed mean of squares: every device returns the global value, and

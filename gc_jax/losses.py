@@ -1,14 +1,25 @@
 """Contrastive losses for cached representations, local or across devices.
 
-With ``axis_name`` (inside ``pmap``/``shard_map``) each loss gathers the other side
-across devices, computes only this device's rows, and returns the *global* loss
-on every device with the gradient of this device's share (see
-``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects.
+*Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each loss
+gathers the other side, computes only this device's rows, and returns the *global*
+loss on every device with the gradient of this device's share (see
+``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects. Under
+``shard_map`` the loss is typed replicated: return it with ``out_specs=P()``. Rows'
+gradients are this device's rows of the global gradient, and a replicated scalar
+(e.g. a temperature in ``in_specs=P()``) gets the global gradient. Under plain
+``jit`` over rows sharded with ``NamedSharding`` (explicit or auto mesh axes, with or
+without ``jax.set_mesh``), pass no ``axis_name``: the losses read the sharding from
+the rows' types and gather what every device needs.
 
 With ``block_size`` the logits are computed in ``block_size x block_size`` tiles,
 forward and backward, and never held whole (see ``gc_jax._blockwise``): memory
 grows with ``rows * dim`` instead of ``rows**2``. Values and gradients match the
 dense computation up to float rounding.
+
+*Precision*: logits and losses are accumulated in at least float32. Rows in bfloat16
+or float16 are never cast whole (each matrix product accumulates in float32); the
+loss is float32 and the rows' gradients come back in the rows' own dtype. Scalars
+(temperature, logit scale and bias) are used in float32 and differentiated as such.
 """
 
 from __future__ import annotations
@@ -156,10 +167,13 @@ def contrastive_loss(
         per-query losses of this device's rows.
       block_size: if set, compute the loss and its gradient in tiles of this many
         rows of each side, never materialising the ``[n, n * k]`` logits.
-      axis_name: data-parallel axis to gather ``y`` over, or None.
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather ``y``
+        over, or None (also under ``jit`` over sharded rows).
 
     Returns:
-      The loss (global under ``axis_name``).
+      The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
+      device, typed replicated under ``shard_map`` (``out_specs=P()``). With
+      ``reduction="none"``: this device's per-row losses.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -170,6 +184,30 @@ def contrastive_loss(
       >>> x, y = jnp.sin(jnp.arange(80.0)).reshape(2, 10, 4)
       >>> blockwise = jax.jit(contrastive_loss, static_argnames="block_size")
       >>> bool(jnp.allclose(blockwise(x, y, block_size=3), contrastive_loss(x, y)))
+      True
+
+      bfloat16 rows: a float32 loss, bfloat16 gradients.
+
+      >>> value, grad = jax.value_and_grad(contrastive_loss)(x.astype(jnp.bfloat16), y)
+      >>> value.dtype, grad.dtype
+      (dtype('float32'), dtype(bfloat16))
+
+      Under ``shard_map`` with a learnable temperature: the loss and the temperature's
+      gradient are replicated, each device gets its rows' gradients.
+
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> def step(x, y, t):
+      ...     loss = lambda x, y, t: contrastive_loss(x, y, temperature=t, axis_name="data")
+      ...     return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, y, t)
+      >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data"), P()),
+      ...                           out_specs=(P(), (P("data"), P("data"), P()))))
+      >>> x, y = jnp.sin(jnp.arange(16.0 * jax.device_count())).reshape(2, -1, 4)
+      >>> rows = NamedSharding(mesh, P("data"))
+      >>> got = f(jax.device_put(x, rows), jax.device_put(y, rows), 0.5)
+      >>> full = lambda x, y, t: contrastive_loss(x, y, temperature=t)
+      >>> want = jax.value_and_grad(full, argnums=(0, 1, 2))(x, y, 0.5)
+      >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
       True
     """
     _check_reduction(reduction)
@@ -201,11 +239,14 @@ def clip_loss(
         the per-pair losses of this device's rows.
       block_size: if set, compute both directions and their gradients in tiles of
         this many rows of each side, never materialising the ``[n, n]`` logits.
-      axis_name: data-parallel axis to gather over, or None; each device scores its
-        ``x`` rows against the gathered ``y`` and its ``y`` rows against the gathered ``x``.
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather over, or
+        None (also under ``jit`` over sharded rows); each device scores its ``x`` rows
+        against the gathered ``y`` and its ``y`` rows against the gathered ``x``.
 
     Returns:
-      The loss (global under ``axis_name``).
+      The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
+      device, typed replicated under ``shard_map`` (``out_specs=P()``). With
+      ``reduction="none"``: this device's per-row losses.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -252,10 +293,13 @@ def sigmoid_loss(
         ``"none"`` for the per-row sums of this device's rows.
       block_size: if set, compute the loss and its gradient in tiles of this many
         rows of each side, never materialising the ``[n, n]`` logits.
-      axis_name: data-parallel axis to gather ``y`` over, or None.
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather ``y``
+        over, or None (also under ``jit`` over sharded rows).
 
     Returns:
-      The loss (global under ``axis_name``).
+      The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
+      device, typed replicated under ``shard_map`` (``out_specs=P()``). With
+      ``reduction="none"``: this device's per-row losses.
 
     Examples:
       >>> import jax.numpy as jnp
