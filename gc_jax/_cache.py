@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gc_jax import _distributed, _passes, _validation
 
@@ -55,8 +56,8 @@ def _check_loss_keywords(loss_fn: Callable[..., Any]) -> None:
 def _check_loss_scale(loss_scale: Any) -> None:
     if loss_scale is None or isinstance(loss_scale, jax.core.Tracer):
         return
-    value = jnp.asarray(loss_scale)
-    if value.shape != () or not (bool(jnp.isfinite(value)) and float(value) > 0):
+    value = np.asarray(loss_scale)
+    if value.shape != () or not (bool(np.isfinite(value)) and float(value) > 0):
         raise ValueError(
             f"loss_scale must be a finite positive scalar (or None), got {loss_scale!r}: "
             "the gradients are divided by it."
