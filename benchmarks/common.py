@@ -11,6 +11,9 @@ and computes the gradient of the same InfoNCE loss
 * ``remat_layers``: every hidden layer under ``jax.checkpoint`` instead (each layer's
   input is saved, its internals recomputed);
 * ``gc``: ``gc_jax.cached_value_and_grad`` with ``chunk`` rows encoded at a time;
+* ``chunked_encoder``: the encoder wrapped in ``gc_jax.chunked_encoder`` (``chunk``
+  rows at a time) inside a plain ``jax.value_and_grad`` of the same loss, as a user
+  would write it (its backward re-encodes every chunk, the last one included);
 * ``gc_block``: the same with the blockwise loss (``block_size=``), if the loss has it;
   ``full_block``, ``remat_layers_block``: the baselines with the blockwise loss.
 """
@@ -149,6 +152,17 @@ def cached_step(chunk: int, block_size: int | None = None) -> Step:
     return gc_jax.cached_value_and_grad(loss_fn(block_size), encode, chunk)
 
 
+def chunked_encoder_step(chunk: int, block_size: int | None = None) -> Step:
+    """``jax.value_and_grad`` of the same loss, the encoder wrapped in ``chunked_encoder``."""
+    encode_batch = gc_jax.chunked_encoder(encode, chunk)
+    loss = loss_fn(block_size)
+
+    def total(params: Params, q: jax.Array, d: jax.Array) -> jax.Array:
+        return loss(params, encode_batch(params, q), encode_batch(params, d))
+
+    return jax.value_and_grad(total)
+
+
 def make_steps(chunk: int, block_size: int | None, names: Sequence[str]) -> dict[str, Step]:
     """The named (un-jitted) steps; ``gc_block`` only if the loss supports ``block_size``."""
     table: dict[str, Callable[[], Step]] = {
@@ -156,6 +170,7 @@ def make_steps(chunk: int, block_size: int | None, names: Sequence[str]) -> dict
         "remat": lambda: full_batch_step(remat="encoder"),
         "remat_layers": lambda: full_batch_step(remat="layers"),
         "gc": lambda: cached_step(chunk),
+        "chunked_encoder": lambda: chunked_encoder_step(chunk),
         "full_block": lambda: full_batch_step(block_size=block_size),
         "remat_layers_block": lambda: full_batch_step(remat="layers", block_size=block_size),
         "gc_block": lambda: cached_step(chunk, block_size),

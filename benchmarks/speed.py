@@ -7,7 +7,10 @@ interleaved round by round so that all variants see the same machine load. Repor
 median seconds per step, the ratio of medians, the median of the per-round ratios
 (each round's variants ran back to back; the headline figure, against the target),
 the ratio of the fastest rounds (the least disturbed by other processes), and the
-same paired ratio of process CPU time.
+same paired ratio of process CPU time. Also timed in the same rounds: the step a user
+writes with ``gc_jax.chunked_encoder`` wrapping the encoder inside a plain
+``jax.value_and_grad``, reported against ``cached_value_and_grad`` (median and range
+of the paired per-round ratios).
 
 Part 2: time per example vs batch size for full batch, both remats and gradient
 caching, same chunk size (``--batches``); ``--plot`` writes it as a PNG.
@@ -38,6 +41,7 @@ LABELS = {
     "remat": "full batch, whole encoder under jax.checkpoint",
     "remat_layers": "full batch, each layer under jax.checkpoint",
     "gc": "gc_jax.cached_value_and_grad",
+    "chunked_encoder": "gc_jax.chunked_encoder in jax.value_and_grad",
     "gc_block": "gc_jax, blockwise loss",
 }
 SWEEP = ["full", "remat", "remat_layers", "gc"]
@@ -75,23 +79,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_equal(steps: dict[str, Any], args: tuple[Any, ...]) -> float:
-    """Max abs difference of every variant's loss and grads from the full batch."""
+def check_equal(steps: dict[str, Any], args: tuple[Any, ...]) -> dict[str, float]:
+    """Max abs difference of each variant's loss and grads from the full batch's."""
     ref = jax.tree.leaves(steps["full"](*args))
-    worst = 0.0
-    for fn in steps.values():
-        for a, b in zip(ref, jax.tree.leaves(fn(*args)), strict=True):
-            worst = max(worst, float(jnp.max(jnp.abs(a - b))))
-    return worst
+    out = {}
+    for name, fn in steps.items():
+        leaves = jax.tree.leaves(fn(*args))
+        diffs = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(ref, leaves, strict=True)]
+        out[name] = max(diffs)
+    return out
+
+
+def ratio_range(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """Median, min and max over rounds of ``num[r] / den[r]``."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return common.median(ratios), min(ratios), max(ratios)
 
 
 def headline(args: argparse.Namespace, cfg: common.ModelConfig) -> dict[str, Any]:
-    names = ["full", "remat", "remat_layers", "gc", "gc_block"]
+    names = ["full", "remat", "remat_layers", "gc", "chunked_encoder", "gc_block"]
     made = common.make_steps(args.chunk, args.block_size, names)
     steps = {k: jax.jit(v) for k, v in made.items()}
     params = common.init_params(cfg, jax.random.key(0))
     q, d = common.make_batch(cfg, args.batch, jax.random.key(1))
-    err = check_equal(steps, (params, q, d))
+    errs = check_equal(steps, (params, q, d))
+    err = max(errs.values())
     load_before = common.load()
     timings = common.interleaved_times(steps, (params, q, d), args.reps, args.warmup)
     load_after = common.load()
@@ -99,6 +111,7 @@ def headline(args: argparse.Namespace, cfg: common.ModelConfig) -> dict[str, Any
 
     print(f"\n## Step time, B={args.batch}, chunk={args.chunk} ({args.reps} rounds, interleaved)")
     print(f"max |difference| of loss and grads vs full batch: {err:.2e}")
+    print("  per variant: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     print(f"before: {load_before}; after: {load_after}")
     print(
         "| variant | median wall s | min wall s | max wall s | ratio of medians "
@@ -122,12 +135,21 @@ def headline(args: argparse.Namespace, cfg: common.ModelConfig) -> dict[str, Any
     for other in ("remat", "remat_layers"):
         ratio = common.paired_ratio(times["gc"], times[other])
         print(f"gc / {other} (median paired wall ratio): {ratio:.3f}")
+    ce_gc = ratio_range(times["chunked_encoder"], times["gc"])
+    ce_gc_cpu = ratio_range(cpu["chunked_encoder"], cpu["gc"])
+    print(
+        "chunked_encoder / gc (paired wall ratio over rounds): "
+        f"median {ce_gc[0]:.3f}, range {ce_gc[1]:.3f}-{ce_gc[2]:.3f}; "
+        f"CPU: median {ce_gc_cpu[0]:.3f}, range {ce_gc_cpu[1]:.3f}-{ce_gc_cpu[2]:.3f}"
+    )
     return {
         "batch": args.batch,
         "chunk": args.chunk,
         "wall": times,
         "cpu": cpu,
         "max_abs_diff": err,
+        "max_abs_diff_by_variant": errs,
+        "chunked_encoder_over_gc": {"wall": ce_gc, "cpu": ce_gc_cpu},
         "load": [load_before, load_after],
     }
 
