@@ -147,3 +147,22 @@ def test_low_precision_encoder_cache_dtype(cache_dtype, seen_dtype):
     ref_value, ref = full_batch_value_and_grad(loss, bf16_tower, 3, params, *batch(8, 13))
     chex.assert_trees_all_close(value, ref_value, rtol=5e-3)
     chex.assert_trees_all_close(grads, ref, rtol=5e-2, atol=5e-2)
+
+
+def test_integer_side_outputs_reach_the_loss_without_gradients():
+    """Doc ids carried through the encoder to mask false negatives: no allow_int error."""
+
+    def tower(p, x, key):
+        return {"emb": query_tower(p, x["x"], key), "id": x["id"], "ok": x["id"] >= 0}
+
+    def masked_loss(p, q, d):
+        same = (q["id"][:, None] == d["id"][None, :]) & ~jnp.eye(len(q["id"]), dtype=bool)
+        logits = (q["emb"] @ d["emb"].T) / jnp.exp(p["log_temp"]) - 1e4 * same
+        return (
+            -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(logits)), jnp.arange(len(logits))])
+            + 0.0 * d["ok"].sum()
+        )
+
+    xq, xd = batch(8, 14)
+    ids = jnp.array([0, 1, 1, 2, 3, 3, 4, 5], jnp.int32)
+    check(masked_loss, tower, 3, {"x": xq, "id": ids}, {"x": xd, "id": ids})

@@ -269,3 +269,148 @@ def test_rng_key_accepts_typed_and_raw_keys():
     _validation.rng_key(None)
     _validation.rng_key(jax.random.key(0))
     _validation.rng_key(jax.random.PRNGKey(0))
+
+
+# --- the mistakes users make first (no silent wrong gradients) ------------------------
+
+DEVICES = 8
+
+
+def _mesh():
+    return jax.make_mesh((DEVICES,), ("data",))
+
+
+def _global_rows():
+    return rows(2 * DEVICES), rows(2 * DEVICES)[::-1]
+
+
+def _shard_mapped(f, check_vma=True):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+    step = jax.jit(
+        jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=(P(), P()),
+            check_vma=check_vma,
+        )
+    )
+    q, d = (jax.device_put(v, NamedSharding(mesh, P("data"))) for v in _global_rows())
+    return lambda: step(W, q, d)
+
+
+def _gathering_loss(p, q, d):
+    return contrastive_loss(q, d, axis_name="data")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_axis_name_only_in_the_core_is_an_error(check_vma):
+    f = gc_jax.cached_value_and_grad(loss, encode, 1, axis_name="data")
+    with pytest.raises(ValueError, match=r"axis_name='data' was given, but loss_fn communicates"):
+        _shard_mapped(f, check_vma)()
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_axis_name_only_in_the_loss_is_an_error(check_vma):
+    f = gc_jax.cached_value_and_grad(_gathering_loss, encode, 1)
+    with pytest.raises(ValueError, match=r"communicates over mesh axes \['data'\] but axis_name"):
+        _shard_mapped(f, check_vma)()
+
+
+def test_axis_name_in_neither_place_inside_shard_map_is_an_error():
+    f = gc_jax.cached_value_and_grad(loss, encode, 1)
+    with pytest.raises(ValueError, match=r"inputs vary over mesh axes \['data'\]"):
+        _shard_mapped(f)()
+
+
+@pytest.mark.parametrize(("core", "loss_fn"), [("data", loss), (None, _gathering_loss)])
+def test_axis_name_mismatch_under_pmap(core, loss_fn):
+    f = gc_jax.cached_value_and_grad(loss_fn, encode, 1, axis_name=core)
+    q, d = (v.reshape(DEVICES, 2, D) for v in _global_rows())
+    params = jax.tree.map(lambda v: jnp.broadcast_to(v, (DEVICES, *v.shape)), W)
+    with pytest.raises(ValueError, match="axis_name"):
+        jax.pmap(f, axis_name="data")(params, q, d)
+
+
+def test_axis_name_in_both_places_is_exact():
+    f = gc_jax.cached_value_and_grad(_gathering_loss, encode, 1, axis_name="data")
+    got = _shard_mapped(f)()
+    q, d = _global_rows()
+    want = jax.value_and_grad(lambda p: loss(p, encode(p, q, None), encode(p, d, None)))(W)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1]["w"], want[1]["w"], rtol=1e-4, atol=1e-6)
+
+
+def test_loss_keywords_that_the_step_owns():
+    def loss_with_rng(p, q, d, rng=None):
+        return loss(p, q, d)
+
+    with pytest.raises(TypeError, match=r"loss_fn has a parameter named 'rng'.*loss_rng"):
+        gc_jax.cached_value_and_grad(loss_with_rng, encode, 2)
+    with pytest.raises(TypeError, match=r"parameter named 'loss_scale'"):
+        gc_jax.cached_value_and_grad(lambda p, q, d, loss_scale=1: loss(p, q, d), encode, 2)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_non_positive_loss_scale(scale):
+    f = gc_jax.cached_value_and_grad(loss, encode, 2)
+    with pytest.raises(ValueError, match=r"loss_scale must be a finite positive scalar"):
+        traced(f, W, Q, DOC, loss_scale=scale)
+
+
+def test_raw_key_of_the_wrong_shape():
+    f = gc_jax.cached_value_and_grad(loss, encode, 2)
+    with pytest.raises(ValueError, match=r"raw uint32 key of shape \(5,\).*jax.random.key"):
+        traced(f, W, Q, DOC, rng=jnp.zeros((5,), jnp.uint32))
+
+
+def test_output_that_depends_on_the_chunk_size():
+    padded = lambda p, x, key: jnp.pad(encode(p, x, key), ((0, 0), (0, 3 - x.shape[0] % 3)))
+    f = gc_jax.cached_value_and_grad(loss, padded, 3)
+    with pytest.raises(
+        ValueError, match=r"shape \(3, 7\).*shape \(2, 5\).*last chunk of 2 rows.*leading axis"
+    ):
+        traced(f, W, Q, DOC)
+    as_dtype = lambda p, x, key: encode(p, x, key).astype(
+        jnp.float32 if x.shape[0] == 3 else jnp.bfloat16
+    )
+    with pytest.raises(ValueError, match=r"dtype float32.*dtype bfloat16 for the last chunk"):
+        traced(gc_jax.cached_value_and_grad(loss, as_dtype, 3), W, Q, DOC)
+
+
+def test_batch_axis_that_does_not_divide_the_batch():
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+    f = gc_jax.cached_value_and_grad(loss, encode, 2, batch_axis="data")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"12 rows, which the 8 shards"):
+        traced(f, W, rows(12), rows(12))
+
+
+def test_replicated_leaf_before_a_sharded_leaf_is_resharded():
+    """Explicit axes: a leaf whose leading axis is replicated is cut like the sharded ones."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+    q, d = _global_rows()
+    x = {
+        "a_replicated": jax.device_put(q, NamedSharding(mesh, P())),
+        "b_sharded": jax.device_put(q[::-1], NamedSharding(mesh, P("data"))),
+    }
+    ds = jax.device_put(d, NamedSharding(mesh, P("data")))
+    f = gc_jax.cached_value_and_grad(loss, [encode_tree_ab, encode], 2)
+    got = jax.jit(f)(jax.device_put(W, NamedSharding(mesh, P())), x, ds)
+    plain = {"a_replicated": q, "b_sharded": q[::-1]}
+    want = jax.value_and_grad(
+        lambda p: loss(p, encode_tree_ab(p, plain, None), encode(p, d, None))
+    )(W)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1]["w"], want[1]["w"], rtol=1e-4, atol=1e-6)
+
+
+def encode_tree_ab(p, x, key):
+    return jnp.tanh(x["a_replicated"] @ p["w"] - x["b_sharded"] @ p["w"])
