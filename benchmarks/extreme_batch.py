@@ -74,6 +74,23 @@ def analyse(step, params, queries, passages) -> dict:
     return sizes
 
 
+def fixed_overhead_bound(cfg: bert.BertConfig, chunk: int) -> tuple[int, int]:
+    """Temp bytes of one chunk's VJP of the biggest tower (compiled alone), and the bound.
+
+    The bound on the step's temp memory at a small batch: that VJP plus two buffers
+    the size of all the step's parameters (the accumulator and one chunk's
+    gradient), +10 %.
+    """
+    params = bert.abstract_params(cfg)
+    tower = bert.passage_tower(cfg)  # passages are the longer input
+    batch = bert.abstract_batch(cfg, chunk, cfg.passage_len)
+    ct = jax.ShapeDtypeStruct((chunk, cfg.width), cfg.compute_dtype)
+    vjp = lambda p, x, ct: jax.vjp(lambda p: tower(p, x, None), p)[1](ct)
+    one = jax.jit(vjp).lower(params, batch, ct).compile().memory_analysis().temp_size_in_bytes
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return one, int(1.1 * (one + 2 * param_bytes))
+
+
 def run(cfg: bert.BertConfig, args: argparse.Namespace) -> dict:
     params = bert.abstract_params(cfg)
     variants = bert.steps(cfg, args.chunk, args.block)
@@ -134,8 +151,19 @@ def main(argv=None) -> None:
         args.log2_batches, args.baseline_max_log2, args.chunk, args.block = [8, 10], 10, 16, 128
     print(f"JAX {jax.__version__}, backend {jax.default_backend()}; {cfg.describe()}")
     print(f"gc_jax chunk {args.chunk}, blockwise loss block {args.block}; compile only")
+    one, bound = fixed_overhead_bound(cfg, args.chunk)
+    print(
+        f"one chunk's VJP of the passage tower (compiled alone): temp {one / GIB:.2f} GiB; "
+        f"fixed-overhead bound (that + 2 parameter-sized buffers, +10 %): {bound / GIB:.2f} GiB"
+    )
     results = run(cfg, args)
     report(cfg, args, results)
+    smallest = min(results["gc_jax"])
+    temp = results["gc_jax"][smallest]["temp"]
+    print(
+        f"\ngc_jax temp at B={smallest}: {temp / GIB:.2f} GiB "
+        f"({'within' if temp <= bound else 'ABOVE'} the fixed-overhead bound {bound / GIB:.2f} GiB)"
+    )
     if args.json:
         table = {k: {str(r): v for r, v in s.items()} for k, s in results.items()}
         args.json.write_text(json.dumps({"config": cfg.describe(), "results": table}, indent=1))
