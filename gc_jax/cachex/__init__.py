@@ -29,6 +29,10 @@ Differences from the original:
 * Argument errors (an ``n_chunk`` that does not divide the batch, leaves with
   different numbers of chunks, a ``cached_grad`` of the wrong shape) raise
   ``ValueError``/``TypeError`` naming the argument.
+* Sharding: a pre-chunked batch sharded along its rows works under auto mesh axes
+  (plain ``jit`` with shardings, as Tevatron does); under explicit axes
+  (``AxisType.Explicit``) it does not yet: ``tree_chunk``'s reshape needs an
+  ``out_sharding`` and the passes' cache is sharded like the leading (chunk) axis only.
 * Encoders may return pytrees of arrays; integer outputs and inputs (ids, masks,
   raw or typed per-chunk dropout keys) get no gradient.
 
