@@ -487,13 +487,17 @@ def open_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
         print(f"data: {_data_line(config['data'])}, loaded from {directory / run_dir.DATA}")
         model, tokenizer = run_dir.build_model(config), run_dir.load_tokenizer(directory)
         return Run(directory, config, model, tokenizer, split, resumed=True)
+    if directory.exists() and any(directory.iterdir()):
+        parser.error(
+            f"{directory} is not empty but holds no run (no {run_dir.RUN_CONFIG}, written "
+            "once the first checkpoint is): pass a new --checkpoint-dir, or delete it."
+        )
     pairs, split, sources = load_split(args, parser)
     model, tokenizer = build_model(args.model, split.train, args.seed, args.dropout)
     directory.mkdir(parents=True, exist_ok=True)
     run_dir.save_pairs(directory / run_dir.DATA, pairs, split)
     tokenizer.save(str(directory / run_dir.TOKENIZER))
     config = new_run_config(args, model.config, pairs, split, sources)
-    run_dir.write_json(directory / run_dir.RUN_CONFIG, config)  # last: the run exists
     return Run(directory, config, model, tokenizer, split, resumed=False)
 
 
@@ -561,10 +565,12 @@ def start_state(run: Run, optimizer, manager, args: argparse.Namespace) -> Train
     params = initial_params(run.model)
     opt_state = optimizer.init(params)
     num_rows = len(run.split.train)
-    latest = manager.latest_step()
-    if latest is None:
+    if not run.resumed:
         order = BatchOrder(num_rows, args.batch, args.seed)
         return TrainState(params, opt_state, 0, order, jax.random.key(args.seed))
+    latest = manager.latest_step()
+    if latest is None:
+        raise FileNotFoundError(f"{run.directory}: run.json but no checkpoint to resume from.")
     params, opt_state, progress = run_dir.restore_checkpoint(manager, latest, params, opt_state)
     order = BatchOrder(num_rows, args.batch, args.seed, **progress["data_order"])
     key = jax.random.wrap_key_data(np.asarray(progress["rng"], np.uint32))
@@ -708,17 +714,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     manager = run_dir.checkpoint_manager(directory)
     state = start_state(run, optimizer, manager, args)
     metrics_path = directory / run_dir.METRICS
-    records = run_dir.truncate_metrics(metrics_path, state.step)
-    if state.step == 0:
-        if not any(run_dir.records_of(records, "eval")):
-            before = log_evaluation(evaluate, state, metrics_path)
-            print(
-                f"held-out before training ({len(held_out)} x {len(held_out)}): "
-                f"{_metrics_line(before)}"
-            )
-        save(manager, state)
-    else:
+    if run.resumed:
+        run_dir.truncate_metrics(metrics_path, state.step)  # drop what followed the checkpoint
         print(f"resuming after step {state.step} of {args.steps} (checkpoint in {directory})")
+    else:
+        before = log_evaluation(evaluate, state, metrics_path)
+        print(
+            f"held-out before training ({len(held_out)} x {len(held_out)}): {_metrics_line(before)}"
+        )
+        save(manager, state)
+        run_dir.write_json(directory / run_dir.RUN_CONFIG, run.config)  # last: the run exists
     stop = args.stop_at or args.steps
     if state.step < stop:
         compiled, record = compile_step(run.model, optimizer, state, train_data, args)

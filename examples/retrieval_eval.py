@@ -67,19 +67,26 @@ def retrieval_metrics(queries: np.ndarray, documents: np.ndarray) -> dict[str, f
 
 
 def in_batch_loss(
-    queries: np.ndarray, documents: np.ndarray, temperature: float, batch_size: int
+    queries: np.ndarray,
+    documents: np.ndarray,
+    temperature: float,
+    batch_size: int,
+    seed: int = 0,
 ) -> float:
     """The training loss on held-out pairs: InfoNCE of each query against its batch's documents.
 
-    The rows are cut into consecutive batches of ``batch_size`` (the last incomplete one
-    dropped; one batch of every row if there are fewer), so the loss sees as many
-    negatives as a training step does and the two curves are comparable.
+    The rows are shuffled once (``seed``: the same batches at every evaluation) and cut
+    into batches of ``batch_size`` (the last incomplete one dropped; one batch of every
+    row if there are fewer), so that, like a training batch, a batch mixes functions
+    of many files (consecutive held-out rows come from the same file: much harder
+    negatives) and holds as many negatives as a training step.
     """
     batch_size = min(batch_size, len(queries))
+    order = np.random.default_rng(seed).permutation(len(queries))
     losses = []
     for start in range(0, len(queries) - batch_size + 1, batch_size):
-        q = queries[start : start + batch_size].astype(np.float64)
-        d = documents[start : start + batch_size].astype(np.float64)
+        rows = order[start : start + batch_size]
+        q, d = queries[rows].astype(np.float64), documents[rows].astype(np.float64)
         logits = q @ d.T / temperature
         top = logits.max(axis=1, keepdims=True)
         log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))

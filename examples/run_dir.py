@@ -4,7 +4,8 @@ One directory holds one training run and is self-contained (nothing is re-mined 
 re-downloaded to resume it or to search with it)::
 
     DIR/
-      run.json          flags, model config, data summary and package versions
+      run.json          flags, model config, data summary and package versions (written
+                        once checkpoint 0 exists: a directory with it can be resumed)
       tokenizer.json    the tokenizer (for ``tiny``: the BPE learnt from the training split)
       data.jsonl.gz     every mined pair with its split (train, held_out or unused)
       checkpoints/N/    Orbax checkpoint after N steps: params and opt_state (arrays),

@@ -55,23 +55,14 @@ def draw_temperature(axes: Axes, train: Sequence[dict]) -> None:
 
 
 def draw_retrieval(axes: Axes, evals: Sequence[dict]) -> None:
-    """Held-out Recall@1, Recall@10 and MRR; the first and last values are annotated."""
+    """Held-out Recall@1, Recall@10 and MRR; the legend gives before -> after."""
     steps = [r["step"] for r in evals]
     for key, label in RETRIEVAL:
         values = [r[key] for r in evals]
-        (line,) = axes.plot(steps, values, "o-", ms=4, label=label)
         if values:
-            for step, value in {steps[0]: values[0], steps[-1]: values[-1]}.items():
-                axes.annotate(
-                    f"{value:.3f}",
-                    (step, value),
-                    textcoords="offset points",
-                    xytext=(0, 6),
-                    ha="center",
-                    fontsize=8,
-                    color=line.get_color(),
-                )
-    axes.set(xlabel="step", ylabel="held-out", title="held-out retrieval (before -> after)")
+            label = f"{label}: {values[0]:.3f} -> {values[-1]:.3f}"
+        axes.plot(steps, values, "o-", ms=4, label=label)
+    axes.set(xlabel="step", ylabel="held-out", title="held-out retrieval")
     axes.set_ylim(0, 1)
     axes.grid(alpha=0.3)
     axes.legend()

@@ -196,16 +196,17 @@ def test_retrieval_metrics_rank_ties_pessimistically():
     assert constant["recall@1"] == 0.0 and constant["recall@10"] == 0.0
 
 
-def test_held_out_loss_is_the_training_loss_over_batches():
+def test_held_out_loss_is_the_training_loss_over_shuffled_batches():
     rng = np.random.default_rng(0)
     queries, documents = rng.normal(size=(2, 10, 8)).astype(np.float32)
+    rows = np.random.default_rng(3).permutation(10)
     expected = np.mean(
-        [
-            gc_jax.losses.contrastive_loss(queries[s], documents[s], temperature=0.1)
-            for s in (slice(0, 4), slice(4, 8))  # the last 2 rows make no full batch
+        [  # two batches of 4; the last 2 rows make no full batch
+            gc_jax.losses.contrastive_loss(queries[b], documents[b], temperature=0.1)
+            for b in (rows[:4], rows[4:8])
         ]
     )
-    actual = retrieval_eval.in_batch_loss(queries, documents, 0.1, batch_size=4)
+    actual = retrieval_eval.in_batch_loss(queries, documents, 0.1, batch_size=4, seed=3)
     np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
 
@@ -340,11 +341,15 @@ def test_resume_after_a_restart_is_bitwise_exact(straight_run, tmp_path, capsys)
     _assert_bitwise_equal(on_disk[0], straight["params"])
 
 
-def test_resume_refuses_different_run_flags(straight_run, capsys):
+def test_resume_refuses_different_run_flags_and_foreign_directories(straight_run, tmp_path, capsys):
     directory, _ = straight_run
     with pytest.raises(SystemExit):
         dual_encoder.main(["--checkpoint-dir", str(directory), "--batch", "32"])
     assert "holds a run with --batch 16, not 32" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("not a run")
+    with pytest.raises(SystemExit):
+        dual_encoder.main(["--checkpoint-dir", str(tmp_path)])
+    assert "is not empty but holds no run" in capsys.readouterr().err
 
 
 def test_search_finds_the_function_described(straight_run, capsys):
