@@ -4,6 +4,7 @@ Exact large-batch gradients for contrastive models with one chunk's activations 
 memory at a time (Gao et al., 2021), as pure, jittable functions.
 """
 
+from gc_jax import cachex
 from gc_jax import functional
 from gc_jax import losses
 from gc_jax import testing
@@ -23,6 +24,7 @@ __all__ = [
     "DynamicLossScale",
     "GradCache",
     "cached_value_and_grad",
+    "cachex",
     "chunked_encoder",
     "functional",
     "global_loss",

@@ -80,6 +80,11 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
     return Input(encode, batch, plan, rng, wrt, policy, name)
 
 
+def _full_tail(plan: _chunking.ChunkPlan) -> bool:
+    """Whether the last chunk is as large as the others (chunk ``num_body`` is the tail)."""
+    return plan.tail_size == plan.chunk_size
+
+
 def _key(inp: Input, c) -> jax.Array | None:
     if inp.rng is None:
         return None
@@ -151,12 +156,16 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
     like = _cache_like(output_shapes(inp, params), cache_dtype)
     vma = _distributed.varying_axes_of((params, inp.batch))
     cache = _chunking.zeros(like, inp.plan, vma)
-    if inp.plan.num_body:  # written in place: no stacked copy of the inputs or the cache
+    # A full-sized tail that is not kept is just one more turn of the loop.
+    looped = inp.plan.num_body + (not keep_tail and _full_tail(inp.plan))
+    if looped:  # written in place: no stacked copy of the inputs or the cache
         body = lambda c, cache: _chunking.put(
             cache, _encoder(inp, c)(params, _diff(inp, c)), inp.plan, c
         )
-        cache = jax.lax.fori_loop(0, inp.plan.num_body, body, cache)
+        cache = jax.lax.fori_loop(0, looped, body, cache)
     if not keep_tail:
+        if looped > inp.plan.num_body:
+            return cache, None
         reps = _encoder(inp, None)(params, _diff(inp, None))
         return _chunking.put(cache, reps, inp.plan), None
     # The barrier orders the kept chunk's forward after all other pass-1 work.
@@ -225,9 +234,10 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
         if vjp is not None:
             step = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
             carry = _for_input(i, step)(params, carry)
-        if inp.plan.num_body:
-            pieces.append((i, True, inp.plan.num_body))
-        if vjp is None:
+        looped = inp.plan.num_body + (vjp is None and _full_tail(inp.plan))
+        if looped:
+            pieces.append((i, True, looped))
+        if vjp is None and looped == inp.plan.num_body:
             pieces.append((i, False, 1))
     if not pieces:
         return carry
