@@ -248,30 +248,38 @@ def _backward(
     yp = _padded(ys, bk)
     nq, nk = len(queries[0]) // bq, len(yp) // bk
 
-    def dlogits(i, queries, j, yp):
-        """Tile ``(i, j)``: its query and key blocks, raw scores, and ``dz``."""
-        xq, tq, sq, gq = (_read(v, i * bq, bq) for v in queries)
-        yk = _read(yp, j * bk, bk)
-        raw, z, valid, pos = _tile(xq, yk, tq, j * bk, len(ys), scale, bias)
-        return xq, yk, raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
+    def read_queries(queries, i):
+        return tuple(_read(v, i * bq, bq) for v in queries)
+
+    def tile_grad(query, yk, start):
+        """A tile's raw scores and ``dz``: a block of queries against keys from ``start``."""
+        xq, tq, sq, gq = query
+        raw, z, valid, pos = _tile(xq, yk, tq, start, len(ys), scale, bias)
+        return raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
 
     def query_block(i, carry, yp, *queries):
+        query = read_queries(queries, i)
+
         def step(j, carry, yp):
             dxq, dscale, dbias = carry
-            _, yk, raw, dz = dlogits(i, queries, j, yp)
+            yk = _read(yp, j * bk, bk)
+            raw, dz = tile_grad(query, yk, j * bk)
             dxq = dxq + jnp.matmul(dz, yk, preferred_element_type=acc)
             return dxq, dscale + (dz * raw).sum(), dbias + dz.sum()
 
         dx, *scalars = carry
-        dxq, *scalars = _loop(step, nk, (_zeros(queries[0][:bq], acc, x, ys), *scalars), yp)
+        dxq, *scalars = _loop(step, nk, (_zeros(query[0], acc, x, ys), *scalars), yp)
         return _write(dx, (scale * dxq).astype(x.dtype), i * bq), *scalars
 
     def key_block(j, dy, yp, *queries):
-        def step(i, dyk, *queries):
-            xq, _, _, dz = dlogits(i, queries, j, yp)
-            return dyk + jnp.matmul(dz.T, xq, preferred_element_type=acc)
+        yk = _read(yp, j * bk, bk)
 
-        dyk = _loop(step, nq, _zeros(yp[:bk], acc, x, ys), *queries)
+        def step(i, dyk, *queries):
+            query = read_queries(queries, i)
+            _, dz = tile_grad(query, yk, j * bk)
+            return dyk + jnp.matmul(dz.T, query[0], preferred_element_type=acc)
+
+        dyk = _loop(step, nq, _zeros(yk, acc, x, ys), *queries)
         return _write(dy, (scale * dyk).astype(ys.dtype), j * bk)
 
     # Every row of dx and dy is written once, so their buffers start as copies of x

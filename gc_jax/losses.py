@@ -188,7 +188,7 @@ def contrastive_loss(
 
       bfloat16 rows: a float32 loss, bfloat16 gradients.
 
-      >>> value, grad = jax.value_and_grad(contrastive_loss)(x.astype(jnp.bfloat16), y)
+      >>> value, grad = jax.jit(jax.value_and_grad(contrastive_loss))(x.astype(jnp.bfloat16), y)
       >>> value.dtype, grad.dtype
       (dtype('float32'), dtype(bfloat16))
 
@@ -206,7 +206,7 @@ def contrastive_loss(
       >>> rows = NamedSharding(mesh, P("data"))
       >>> got = f(jax.device_put(x, rows), jax.device_put(y, rows), 0.5)
       >>> full = lambda x, y, t: contrastive_loss(x, y, temperature=t)
-      >>> want = jax.value_and_grad(full, argnums=(0, 1, 2))(x, y, 0.5)
+      >>> want = jax.jit(jax.value_and_grad(full, argnums=(0, 1, 2)))(x, y, 0.5)
       >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
       True
     """
