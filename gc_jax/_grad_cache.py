@@ -19,6 +19,7 @@ Two things make the class safe to use the way NNX code is usually written:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -269,10 +270,10 @@ class GradCache:
         contexts = _update_contexts()
         if contexts:
             traced = lambda _, v: _traced_copy(v, contexts)
-            try:
+            # If Flax internals changed, there is no mapping, and _check_not_constant
+            # raises where one was needed.
+            with contextlib.suppress(AttributeError, KeyError, TypeError):
                 params, rest = nnx.map_state(traced, params), nnx.map_state(traced, rest)
-            except (AttributeError, KeyError, TypeError):  # Flax internals changed:
-                pass  # no mapping, and _check_not_constant raises if it was needed
         return graphdef, _per_model(params, len(self._unique)), rest
 
     def _check_not_constant(self, params: tuple[nnx.State, ...]) -> None:

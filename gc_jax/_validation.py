@@ -55,28 +55,32 @@ def callable_arg(value: Any, name: str) -> Callable:
     return value
 
 
-def leading_size(tree: PyTree, name: str) -> int:
-    """The shared leading (batch) size of every leaf of ``tree``."""
+def leading_size(tree: PyTree, name: str, *, axis: str = "batch", hint: str = "") -> int:
+    """The shared leading (``axis``) size of every leaf of ``tree``; ``hint`` ends messages."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not leaves:
-        raise ValueError(f"{name} has no array leaves; expected a pytree of arrays.")
+        raise ValueError(f"{name} has no array leaves; expected a pytree of arrays{hint}.")
     sizes = {}
     for path, leaf in leaves:
         where = f"{name}{jax.tree_util.keystr(path)}"
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(
-                f"{where} must be an array with a leading batch axis, "
+                f"{where} must be an array with a leading {axis} axis, "
                 f"got {type(leaf).__name__}: {leaf!r}."
             )
         if len(leaf.shape) == 0:
-            raise ValueError(f"{where} is a scalar; every input leaf needs a leading batch axis.")
+            raise ValueError(
+                f"{where} is a scalar; every input leaf needs a leading {axis} axis{hint}."
+            )
         sizes[where] = leaf.shape[0]
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(f"leaves of {name} have different leading (batch) sizes: {listing}.")
+        raise ValueError(
+            f"leaves of {name} have different leading ({axis}) sizes: {listing}{hint}."
+        )
     size = next(iter(sizes.values()))
     if size == 0:
-        raise ValueError(f"{name} is an empty batch (leading size 0); expected at least one row.")
+        raise ValueError(f"{name} is an empty {axis} (leading size 0); expected at least one row.")
     return size
 
 

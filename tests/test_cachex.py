@@ -390,7 +390,7 @@ W = jnp.ones((3, 2))
         (
             lambda: cachex.chunk_encode(lambda **k: k["x"])(x=jnp.ones((2, 3)), y=jnp.ones((3,))),
             ValueError,
-            "different numbers of chunks",
+            r"different leading \(chunk\) sizes",
         ),
         (lambda: cachex.chunk_encode(lambda **k: 0)(), ValueError, "xx has no array leaves"),
         (lambda: cachex.chunk_encode(None), TypeError, "encode_fn must be callable"),

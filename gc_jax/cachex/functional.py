@@ -44,33 +44,8 @@ def _as_row(out: PyTree) -> PyTree:
 
 def _num_chunks(tree: PyTree, name: str) -> int:
     """The shared leading (chunk) axis of every leaf of ``tree``."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if not leaves:
-        raise ValueError(
-            f"{name} has no array leaves; expected pre-chunked arrays of shape "
-            "[n_chunk, rows, ...] (see cachex.tree_chunk)."
-        )
-    sizes = {}
-    for path, leaf in leaves:
-        where = f"{name}{jax.tree_util.keystr(path)}"
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(
-                f"{where} must be an array with a leading chunk axis, got "
-                f"{type(leaf).__name__}: {leaf!r}."
-            )
-        if len(leaf.shape) == 0:
-            raise ValueError(
-                f"{where} is a scalar; every input leaf needs a leading chunk axis "
-                "(see cachex.tree_chunk)."
-            )
-        sizes[where] = leaf.shape[0]
-    if len(set(sizes.values())) > 1:
-        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(
-            f"the leaves of {name} have different numbers of chunks (leading axes): "
-            f"{listing}; chunk every input with the same n_chunk."
-        )
-    return next(iter(sizes.values()))
+    hint = "; expected pre-chunked arrays of shape [n_chunk, rows, ...] (see cachex.tree_chunk)"
+    return _validation.leading_size(tree, name, axis="chunk", hint=hint)
 
 
 def _input(encode, xx: PyTree, name: str) -> _passes.Input:
