@@ -91,7 +91,7 @@ def _bwd(config: _Config, residuals, ct):
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
-    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, _passes.wide(p.dtype)), params)
+    acc = jax.tree.map(lambda p: jnp.zeros_like(p, _passes.wide(p.dtype)), params)
     acc, (batch_grads,) = _passes.backward([inp], params, [ct], acc)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates

@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
+from gc_jax import cachex
 from gc_jax.losses import contrastive_loss
 
 SPECS = {"w1": P(None, "model"), "w2": P("model", None), "log_temp": P()}
@@ -109,7 +110,19 @@ def chunked_encoder(batch_axis):
     return jax.jit(jax.value_and_grad(lambda p, q, d: loss_fn(p, enc(p, q), enc(p, d))))
 
 
-ENTRY_POINTS = {"cached_value_and_grad": cached_value_and_grad, "chunked_encoder": chunked_encoder}
+def cachex_grad_cached(batch_axis):
+    """The original's JAX port as Tevatron uses it: pre-chunked batches (8 chunks)."""
+    del batch_axis  # the port has no batch_axis: chunks are read from the array types
+    fwd = cachex.grad_cached(lambda p, x: encode(p, x, None), None)
+    chunked = lambda p, x: fwd(p, cachex.tree_chunk(x, 8))
+    return jax.jit(jax.value_and_grad(lambda p, q, d: loss_fn(p, chunked(p, q), chunked(p, d))))
+
+
+ENTRY_POINTS = {
+    "cached_value_and_grad": cached_value_and_grad,
+    "chunked_encoder": chunked_encoder,
+    "cachex.grad_cached": cachex_grad_cached,
+}
 CASES = [
     (axis_type, model, with_mesh)
     for axis_type in (AxisType.Explicit, AxisType.Auto)

@@ -307,16 +307,18 @@ def grad_cached(
     chunk_policy = None if policy is None or policy is nothing else policy
 
     def encode(params, chunk, key):
-        out = f(params, _chunk_of(chunk))
+        # ``chunk`` holds one chunk, or one per device when the chunk axis is sharded
+        # (explicit mesh axes): each is encoded as ``f`` sees it, side by side.
+        out = jax.vmap(lambda c: f(params, c))(chunk)
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if len(getattr(leaf, "shape", ())) == 0:
+            if len(getattr(leaf, "shape", ())) < 2:
                 where = jax.tree_util.keystr(path) or "an output"
                 raise ValueError(
-                    f"f returned {where} of shape {tuple(getattr(leaf, 'shape', ()))} for a "
-                    "chunk; grad_cached's f must return one representation row per row of "
+                    f"f returned {where} of shape {tuple(getattr(leaf, 'shape', ())[1:])} for "
+                    "a chunk; grad_cached's f must return one representation row per row of "
                     "its sub-batch."
                 )
-        return _as_row(out)
+        return out
 
     encode_batch = _chunked_encoder.chunked_encoder(encode, 1, policy=chunk_policy)
 

@@ -18,6 +18,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -42,6 +43,16 @@ def _leaves(tree: PyTree, name: str) -> list:
             raise TypeError(f"{where} must be an array, got {type(leaf).__name__}: {leaf!r}.")
         found.append((where, leaf))
     return found
+
+
+def _explicit_shards(leaf: Any, axis: int) -> int:
+    """How many ways ``leaf``'s ``axis`` is sharded in its type (explicit mesh axes)."""
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", None) or ())
+    if axis >= len(spec) or spec[axis] is None:
+        return 1
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    return math.prod(sharding.mesh.shape[n] for n in names)
 
 
 def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:
@@ -88,6 +99,13 @@ def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:
             raise ValueError(
                 f"n_chunk={n_chunk} does not divide axis {axis} of {where} (size "
                 f"{leaf.shape[ax]}); use a number of chunks that divides the batch size."
+            )
+        shards = _explicit_shards(leaf, ax)
+        if n_chunk % shards:
+            raise ValueError(
+                f"axis {axis} of {where} is sharded {shards} ways over explicit mesh axes, "
+                f"which n_chunk={n_chunk} does not divide; use a multiple of {shards} "
+                "chunks (each device then holds whole chunks of its own rows)."
             )
 
     def one(x):
