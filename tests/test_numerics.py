@@ -196,3 +196,44 @@ def test_float32_cached_gradients_match_float64_at_large_batch_and_low_temperatu
         assert err_cached < 1e-5, (name, err_cached)
         # Caching costs no accuracy against plain float32 full-batch differentiation.
         assert err_cached < 4 * err_full + 1e-6, (name, err_cached, err_full)
+
+
+def bf16(tower):
+    """The tower computing in bfloat16 over float32 parameters (bfloat16 output)."""
+
+    def run(p, x, key):
+        return tower(jax.tree.map(lambda v: v.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16), key)
+
+    return run
+
+
+def test_bfloat16_path_matches_float64_as_well_as_full_batch_bfloat16_does():
+    """bf16 encoders, bf16 cache and cotangent, the blockwise loss's float32 tiles."""
+    q, d = data(rows=256)
+    params = init_params()
+
+    def loss(p, q, d):
+        return contrastive_loss(
+            q, d, temperature=0.05 * jnp.exp(p["log_temp"] + 0.5), block_size=64
+        )
+
+    towers = (bf16(normed_tower), bf16(normed_doc))
+    cached = jax.jit(gc_jax.cached_value_and_grad(loss, towers, 32))(params, q, d)
+    full = lambda p, q, d: loss(p, towers[0](p, q, None), towers[1](p, d, None))
+    full_bf16 = jax.jit(jax.value_and_grad(full))(params, q, d)
+    with jax.enable_x64(True):
+        to64 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float64), t)
+        ref = lambda p, q, d: loss(p, normed_tower(p, q, None), normed_doc(p, d, None))
+        loss64, grads64 = jax.jit(jax.value_and_grad(ref))(to64(params), to64(q), to64(d))
+    assert cached[0].dtype == jnp.float32
+    np.testing.assert_allclose(float(cached[0]), float(loss64), rtol=2e-2)
+    for name in grads64:
+        want = np.asarray(grads64[name])
+        scale = np.max(np.abs(want))
+        err_cached, err_full = (
+            np.max(np.abs(np.asarray(g[name], np.float64) - want)) / scale
+            for g in (cached[1], full_bf16[1])
+        )
+        assert err_cached < 5e-2, (name, err_cached)
+        # Caching in bfloat16 costs no accuracy against bfloat16 full-batch training.
+        assert err_cached < 2 * err_full + 1e-3, (name, err_cached, err_full)
