@@ -229,11 +229,11 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
     tail_vjps = tail_vjps or [None] * len(inputs)
     shapes = [output_shapes(inp, params) for inp in inputs]
     carry = (acc, [input_grad_buffer(inp) for inp in inputs])
-    pieces = []  # (input, chunk index or None for the tail, how many) re-encoded in the loop
+    pieces = []  # (input, body chunks (True) or the tail (False), how many) for the loop
     for i, (inp, vjp) in enumerate(zip(inputs, tail_vjps, strict=True)):
         if vjp is not None:
-            step = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
-            carry = _for_input(i, step)(params, carry)
+            pull = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
+            carry = _for_input(i, pull)(params, carry)
         looped = inp.plan.num_body + (vjp is None and _full_tail(inp.plan))
         if looped:
             pieces.append((i, True, looped))
@@ -250,8 +250,8 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
         i, body, _ = piece
 
         def run(c, carry):
-            step = _pullback(inputs[i], shapes[i], rep_grads[i], c if body else None)
-            return _for_input(i, step)(params, carry)
+            pull = _pullback(inputs[i], shapes[i], rep_grads[i], c if body else None)
+            return _for_input(i, pull)(params, carry)
 
         return run
 
