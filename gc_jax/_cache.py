@@ -13,10 +13,11 @@ encoded batches, computed in three steps:
    carry of the loop (never stacked per chunk).
 
 The passes themselves are in ``gc_jax._passes`` (shared with ``chunked_encoder``).
-The batch's very last chunk (of the last input) is encoded under ``jax.vjp`` already
-in pass 1 and its activations stay live until pass 2, saving one forward without
-ever holding two chunks' activations. When every input is a single chunk, every
-input's VJP is kept: that is plain full-batch training, with nothing re-encoded.
+When the batch has three chunks or more, its very last chunk (of the last input) is
+encoded under ``jax.vjp`` already in pass 1 and its activations stay live until pass
+2, saving one forward without ever holding two chunks' activations. When every input
+is a single chunk, every input's VJP is kept: that is plain full-batch training, with
+nothing re-encoded.
 """
 
 from __future__ import annotations
@@ -189,12 +190,10 @@ def cached_value_and_grad(
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
         plan = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
-        # Only the batch's last chunk stays live from pass 1, unless every input is a
-        # single chunk: that is plain full-batch training, which re-encodes nothing.
-        keep_all = all(inp.plan.num_body == 0 for inp in plan)
+        keep_all, keep_last = _kept_vjps(plan)
         reps, kept = (), []
         for i, inp in enumerate(plan):
-            keep = keep_all or i == len(plan) - 1
+            keep = keep_all or (keep_last and i == len(plan) - 1)
             cache, vjp = _passes.forward(
                 inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=reps
             )
@@ -215,6 +214,20 @@ def cached_value_and_grad(
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn
+
+
+def _kept_vjps(plan: list[_passes.Input]) -> tuple[bool, bool]:
+    """Whether pass 1 keeps every input's VJP, and whether it keeps the last chunk's.
+
+    Every VJP is kept when every input is a single chunk: that is plain full-batch
+    training, which re-encodes nothing. Otherwise only the batch's very last chunk
+    may stay live from pass 1, and only when at least two chunks are left for pass
+    2's loop: XLA inlines a one-trip loop, and may then merge that chunk's second
+    encoding with its first (common-subexpression elimination), which keeps the
+    chunk's activations from pass 1 next to the kept ones.
+    """
+    chunks = sum(inp.plan.num_body + 1 for inp in plan)
+    return chunks == len(plan), chunks >= 3
 
 
 def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_passes.Input]:

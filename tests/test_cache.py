@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from reference import full_batch_value_and_grad
 from toy import batch, doc_tower, init_params, loss_fn, query_tower
@@ -95,23 +96,31 @@ def test_dropout_is_replayed_with_the_documented_keys(chunk_size):
 
 
 def test_keys_follow_fold_in_rule():
+    """Chunk c of input i is encoded with fold_in(fold_in(rng, i), c), in both passes."""
     seen = []
 
     def spy(params, x, key):
-        seen.append(key)
+        jax.debug.callback(
+            lambda k: seen.append(tuple(np.asarray(k).ravel())), jax.random.key_data(key)
+        )
         return query_tower(params, x, None)
 
-    x = batch(4, 11)[0]
+    q, d = batch(6, 11)
     rng = jax.random.key(3)
-    # Eager (no jit) so keys are concrete: chunk 1 of input 0 is the tail chunk.
-    gc_jax.cached_value_and_grad(lambda p, a: jnp.sum(a**2), spy, 2)(init_params(), x, rng=rng)
-    want = jax.random.fold_in(jax.random.fold_in(rng, 0), 1)
-    assert any(
-        k is not None
-        and not isinstance(k, jax.core.Tracer)
-        and (jax.random.key_data(k) == jax.random.key_data(want)).all()
-        for k in seen
-    )
+    f = jax.jit(gc_jax.cached_value_and_grad(lambda p, a, b: jnp.sum(a * b), spy, [2, 3]))
+    jax.block_until_ready(f(init_params(), q, d, rng=rng))
+    want = {
+        tuple(
+            np.asarray(
+                jax.random.key_data(jax.random.fold_in(jax.random.fold_in(rng, i), c))
+            ).ravel()
+        )
+        for i, chunks in enumerate([3, 2])
+        for c in range(chunks)
+    }
+    assert set(seen) == want
+    # Pass 1 encodes every chunk, pass 2 all but the kept last one: 2 * 5 - 1.
+    assert len(seen) == 9, len(seen)
 
 
 def test_works_with_donation_and_loss_scale():
