@@ -271,8 +271,9 @@ def _backward(
         dxq, *scalars = _loop(step, nk, (_zeros(query[0], acc, x, ys), *scalars), yp)
         return _write(dx, (scale * dxq).astype(x.dtype), i * bq), *scalars
 
-    def key_block(j, dy, yp, *queries):
-        yk = _read(yp, j * bk, bk)
+    def key_block(j, dy, zero, *queries):
+        j = j + zero  # ``zero`` is 0 and orders this sweep after the first (see below)
+        yk = _read(dy, j * bk, bk)  # still ``ys``'s rows: block j is written just below
 
         def step(i, dyk, *queries):
             query = read_queries(queries, i)
@@ -282,13 +283,27 @@ def _backward(
         dyk = _loop(step, nq, _zeros(yk, acc, x, ys), *queries)
         return _write(dy, (scale * dyk).astype(ys.dtype), j * bk)
 
-    # Every row of dx and dy is written once, so their buffers start as copies of x
-    # and ys: zeros would be one batch-sized broadcast, shared (and copied) by both.
+    # Every row of dx and dy is written once, so their buffers start as x and ys
+    # (zeros would be one batch-sized broadcast, shared and copied by both). dx needs
+    # every row of ys; then dy is written *over* ys, block by block, each block read
+    # just before it is overwritten. The second sweep's block index depends on the
+    # first sweep's result, so it provably runs after it and XLA updates ys's buffer
+    # in place: the loss backward holds three batch-sized arrays (x, dx, ys/dy), not four.
     zero = _zeros(yp[0, 0], acc, x, ys)
     init = (_varying_like(queries[0], x, ys), zero, zero)
     dx, dscale, dbias = _loop(query_block, nq, init, yp, *queries)
-    dy = _loop(key_block, nk, _varying_like(yp, x, ys), yp, *queries)
+    dy = _loop(key_block, nk, _varying_like(yp, x, ys), _zero_after(dscale), *queries)
     return dx[: len(x)], dy[: len(ys)], dscale, dbias
+
+
+def _zero_after(dep: Scalar) -> jax.Array:
+    """The integer 0, computed from ``dep``: whatever uses it runs after ``dep`` is known.
+
+    ``dep > inf`` is never true (NaN included), but the compiler cannot fold it. An
+    optimisation barrier would not do: XLA:CPU removes barriers before it decides
+    which buffers may be updated in place.
+    """
+    return jnp.where(dep > jnp.inf, 1, 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -119,6 +119,17 @@ def test_bf16_batch_memory_per_row_is_at_the_floor():
     assert growth <= 1.1 * FLOOR, f"{growth:.0f} bytes per row; floor {FLOOR}"
 
 
+def test_loss_gradient_is_written_over_the_cache():
+    """The blockwise backward writes the second input's gradient over its cache.
+
+    With a float32 cache, per row: both inputs' ids, both caches and the first
+    input's gradient; the second input's gradient takes its cache's place.
+    """
+    growth = per_row(jnp.float32)
+    three = 2 * TOKENS * 4 + 3 * BF16_DIM * 4
+    assert growth <= 1.05 * three, f"{growth:.0f} bytes per row; three float32 rows: {three}"
+
+
 def test_cache_dtype_never_increases_memory():
     default, bf16 = per_row(), per_row(jnp.bfloat16)
     assert bf16 <= default, f"cache_dtype=bfloat16: {bf16:.0f} B/row, default {default:.0f}"
