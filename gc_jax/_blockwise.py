@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed
+from gc_jax import _distributed, _narrow
 
 Rows = tuple[jax.Array, ...]
 Kind = type  # _Softmax or _Sigmoid: how a row's loss and its logit gradient are formed
@@ -96,40 +96,16 @@ class _Sigmoid:
         return jnp.where(valid, jnp.where(pos, -jax.nn.sigmoid(-z), jax.nn.sigmoid(z)), 0)
 
 
-def _bits(v: jax.Array) -> jax.Array:
-    """A float array narrower than float32 as unsigned ints of the same width."""
-    return jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{8 * v.dtype.itemsize}"))
-
-
-def _narrow(v: jax.Array) -> bool:
-    return jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize < 4
-
-
-def _on_cpu_as_bits(plain: Callable, *args: jax.Array) -> jax.Array:
-    """``plain(*args)`` (a slice or an update of narrow floats), done on their bits on CPU.
-
-    XLA's CPU backend computes bfloat16 ops, slicing included, in float32: slicing a
-    block out of a bfloat16 array in a loop would widen the whole array, once, outside
-    the loop. On the bits, only the block is ever converted. Other platforms slice
-    narrow floats natively, and get ``plain``.
-    """
-
-    def as_bits(*args):
-        return jax.lax.bitcast_convert_type(plain(*map(_bits, args)), args[0].dtype)
-
-    return jax.lax.platform_dependent(*args, cpu=as_bits, default=plain)
-
-
 def _read(v: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Rows ``start : start + size`` of ``v``."""
     read = lambda v: jax.lax.dynamic_slice_in_dim(v, start, size)
-    return _on_cpu_as_bits(read, v) if _narrow(v) else read(v)
+    return _narrow.on_cpu_as_bits(read, v) if _narrow.is_narrow(v) else read(v)
 
 
 def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
     """``buf`` with ``rows`` written from row ``start`` on (in place)."""
     write = lambda buf, rows: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, 0)
-    return _on_cpu_as_bits(write, buf, rows) if _narrow(buf) else write(buf, rows)
+    return _narrow.on_cpu_as_bits(write, buf, rows) if _narrow.is_narrow(buf) else write(buf, rows)
 
 
 def _loop(body: Callable, steps: int, init: Any, *arrays: jax.Array) -> Any:

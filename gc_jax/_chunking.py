@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gc_jax import _narrow
+
 PyTree = Any
 
 
@@ -103,11 +105,16 @@ def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None 
     """Writes ``chunk`` into the rows of chunk ``index`` (or the tail) of ``buffer``."""
     start, size = _span(plan, index)
 
-    def one(buf, piece):
-        piece = piece.reshape(plan.num_shards, size, *piece.shape[1:]).astype(buf.dtype)
+    def write(buf, piece):
         return jax.lax.dynamic_update_slice_in_dim(
             _shards(buf, plan), piece, start, axis=1
         ).reshape(buf.shape)
+
+    def one(buf, piece):
+        piece = piece.reshape(plan.num_shards, size, *piece.shape[1:]).astype(buf.dtype)
+        if _narrow.is_narrow(buf):  # in place on CPU too (see gc_jax._narrow)
+            return _narrow.on_cpu_as_bits(write, buf, piece)
+        return write(buf, piece)
 
     return jax.tree.map(one, buffer, chunk)
 
