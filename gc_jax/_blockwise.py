@@ -18,8 +18,9 @@ at the target`` for softmax, ``sigmoid(z) - label`` for sigmoid). It sweeps twic
 over query blocks for ``dx``, ``dscale = sum(dz * x @ ys.T)`` and ``dbias = sum(dz)``,
 and over key blocks for ``dys``, so that no batch-sized gradient is carried across
 blocks. The second sweep writes ``dys`` over ``ys`` (each block is read just before it
-is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering ``ys`` across devices happens outside, so its transpose (a
-reduce-scatter) is left to JAX.
+is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering
+``ys`` across devices happens outside, so its transpose (a reduce-scatter) is left
+to JAX.
 
 *Precision*: tiles, per-row statistics and per-block gradients are computed in the
 *accumulation dtype*, the inputs' dtype widened to at least float32 (the scalars'

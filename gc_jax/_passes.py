@@ -166,18 +166,24 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
     if not keep_tail:
         if looped > inp.plan.num_body:
             return cache, None
-        reps = _encoder(inp, None)(params, _diff(inp, None))
-        return _chunking.put(cache, reps, inp.plan), None
+        return _put_tail(cache, _encoder(inp, None)(params, _diff(inp, None)), inp.plan), None
     # The barrier orders the kept chunk's forward after all other pass-1 work.
     (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
     reps, vjp = jax.vjp(_encoder(inp, None, remat=True), params, _diff(inp, None))
     if not inp.plan.num_body:  # a single chunk: its representations are the cache
         return jax.tree.map(lambda r, c: r.astype(c.dtype), reps, cache), vjp
-    # Written by a loop (of two identical turns, as XLA inlines a loop of one): outside
-    # a loop XLA:CPU does not update a narrow-float cache in place, and the copy would
-    # be one more batch-sized buffer next to the loss's.
-    write = lambda _, cache: _chunking.put(cache, reps, inp.plan)
-    return jax.lax.fori_loop(0, 2, write, cache), vjp
+    return _put_tail(cache, reps, inp.plan), vjp
+
+
+def _put_tail(cache: PyTree, reps: PyTree, plan: _chunking.ChunkPlan) -> PyTree:
+    """``cache`` with the tail's ``reps`` written in, in place.
+
+    Written by a loop of two identical turns (XLA inlines a loop of one): outside a
+    loop XLA:CPU does not update a narrow-float buffer in place, and the copy would
+    be one more batch-sized buffer.
+    """
+    write = lambda _, cache: _chunking.put(cache, reps, plan)
+    return jax.lax.fori_loop(0, 2, write, cache)
 
 
 def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
