@@ -2,9 +2,10 @@
 
 Every query row ``i`` of ``x`` is scored against every row ``j`` of ``ys`` with logit
 ``z[i, j] = scale * x[i] @ ys[j] + bias``. The logits are visited in
-``block_size x block_size`` tiles: ``lax.map`` over blocks of queries, ``lax.scan``
-over blocks of ``ys``, so memory is one tile plus ``O((n + m) * d)``, whatever ``n``
-and ``m``. Rows are padded up to a whole number of blocks and padded columns masked.
+``block_size x block_size`` tiles: a loop over blocks of queries, an inner one over
+blocks of ``ys``, so memory is one tile plus ``O((n + m) * d)``, whatever ``n`` and
+``m``. Nothing is padded: a last block that would run past the end starts earlier,
+and the rows it shares with the block before are masked where they would count twice.
 
 *Online log-sum-exp* (softmax losses): a query row keeps a running maximum ``mx`` and
 a running ``se = sum(exp(z - mx))``; a new tile with maximum ``mx'`` rescales
@@ -125,10 +126,18 @@ def _loop(body: Callable, steps: int, init: Any, *arrays: jax.Array) -> Any:
     return jax.lax.fori_loop(0, steps, step, (init, arrays))[0]
 
 
-def _padded(v: jax.Array, size: int) -> jax.Array:
-    """``v`` with zero rows appended up to a multiple of ``size`` (itself if none are needed)."""
-    pad = -v.shape[0] % size
-    return jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) if pad else v
+def _blocks(rows: int, size: int) -> int:
+    return -(-rows // size)
+
+
+def _first(i: jax.Array, size: int, rows: int) -> jax.Array:
+    """The first row of block ``i``: ``i * size``, but the last block ends at ``rows``.
+
+    A last block that would run past the end starts earlier instead and overlaps the
+    one before it (nothing is padded); its rows before ``i * size`` are masked where
+    they would be counted twice.
+    """
+    return jnp.minimum(i * size, rows - size)
 
 
 def _tile(
@@ -136,14 +145,24 @@ def _tile(
     yk: jax.Array,
     targets: jax.Array,
     start: jax.Array,
-    m: int,
+    own: jax.Array,
     scale: Scalar,
     bias: Scalar,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One tile: raw scores ``xq @ yk.T`` (in ``scale``'s dtype), logits, real columns, targets."""
+    """One tile: raw scores ``xq @ yk.T`` (in ``scale``'s dtype), logits, own columns, targets.
+
+    ``yk`` holds rows ``start ...`` of ``ys``; columns before ``own`` belong to the
+    previous block and are masked out (``valid`` false, never a target).
+    """
     raw = jnp.matmul(xq, yk.T, preferred_element_type=scale.dtype)
     cols = start + jnp.arange(yk.shape[0])
-    return raw, scale * raw + bias, (cols < m)[None, :], cols[None, :] == targets[:, None]
+    valid = (cols >= own)[None, :]
+    return raw, scale * raw + bias, valid, valid & (cols[None, :] == targets[:, None])
+
+
+def _own_rows(start: jax.Array, size: int, own: jax.Array) -> jax.Array:
+    """``[size, 1]``: whether each row of a block from ``start`` is at or after ``own``."""
+    return (start + jnp.arange(size) >= own)[:, None]
 
 
 def _sizes(block: int, x: jax.Array, ys: jax.Array) -> tuple[int, int]:
@@ -182,23 +201,24 @@ def _forward(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-row losses and statistics: a loop over query blocks, an inner one over ``ys``."""
     bq, bk = _sizes(block, x, ys)
-    xp, tp, yp = _padded(x, bq), _padded(targets, bq), _padded(ys, bk)
+    n, m = len(x), len(ys)
     acc = scale.dtype
 
-    def query_block(i, out, xp, tp, yp):
-        xq, tq = _read(xp, i * bq, bq), _read(tp, i * bq, bq)
+    def query_block(i, out, x, targets, ys):
+        qs = _first(i, bq, n)  # rows before i * bq are written again, with the same values
+        xq, tq = _read(x, qs, bq), _read(targets, qs, bq)
 
-        def step(j, carry, yp):
-            _, z, valid, pos = _tile(xq, _read(yp, j * bk, bk), tq, j * bk, len(ys), scale, bias)
+        def step(j, carry, ys):
+            ks = _first(j, bk, m)
+            _, z, valid, pos = _tile(xq, _read(ys, ks, bk), tq, ks, j * bk, scale, bias)
             return kind.update(carry, z, valid, pos)
 
         init = _varying_like(kind.init(bq, acc), x, ys)
-        rows = kind.finish(_loop(step, len(yp) // bk, init, yp))
-        return tuple(_write(o, r, i * bq) for o, r in zip(out, rows, strict=True))
+        rows = kind.finish(_loop(step, _blocks(m, bk), init, ys))
+        return tuple(_write(o, r, qs) for o, r in zip(out, rows, strict=True))
 
-    out = (_zeros(xp[:, 0], acc, x, ys),) * 2
-    loss, stat = _loop(query_block, len(xp) // bq, out, xp, tp, yp)
-    return loss[: len(x)], stat[: len(x)]
+    out = (_zeros(x[:, 0], acc, x, ys),) * 2
+    return _loop(query_block, _blocks(n, bq), out, x, targets, ys)
 
 
 def _backward(
@@ -221,57 +241,72 @@ def _backward(
     exists in a dtype wider than the inputs'.
     """
     bq, bk = _sizes(block, x, ys)
+    n, m = len(x), len(ys)
+    nq, nk = _blocks(n, bq), _blocks(m, bk)
     acc = scale.dtype
-    queries = tuple(_padded(v, bq) for v in (x, targets, stat, g))
-    yp = _padded(ys, bk)
-    nq, nk = len(queries[0]) // bq, len(yp) // bk
+    queries = (x, targets, stat, g)
 
     def read_queries(queries, i):
-        return tuple(_read(v, i * bq, bq) for v in queries)
+        qs = _first(i, bq, n)
+        return tuple(_read(v, qs, bq) for v in queries), _own_rows(qs, bq, i * bq), qs
 
-    def tile_grad(query, yk, start):
-        """A tile's raw scores and ``dz``: a block of queries against keys from ``start``."""
+    def tile_grad(query, yk, ks, own):
+        """A tile's raw scores and ``dz``: a block of queries against keys from ``ks``."""
         xq, tq, sq, gq = query
-        raw, z, valid, pos = _tile(xq, yk, tq, start, len(ys), scale, bias)
+        raw, z, valid, pos = _tile(xq, yk, tq, ks, own, scale, bias)
         return raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
 
-    def query_block(i, carry, yp, *queries):
-        query = read_queries(queries, i)
+    def query_block(i, carry, ys, *queries):
+        query, own, qs = read_queries(queries, i)
 
-        def step(j, carry, yp):
+        def step(j, carry, ys):
             dxq, dscale, dbias = carry
-            yk = _read(yp, j * bk, bk)
-            raw, dz = tile_grad(query, yk, j * bk)
+            ks = _first(j, bk, m)
+            yk = _read(ys, ks, bk)
+            raw, dz = tile_grad(query, yk, ks, j * bk)
             dxq = dxq + jnp.matmul(dz, yk, preferred_element_type=acc)
+            dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
             return dxq, dscale + (dz * raw).sum(), dbias + dz.sum()
 
         dx, *scalars = carry
-        dxq, *scalars = _loop(step, nk, (_zeros(query[0], acc, x, ys), *scalars), yp)
-        return _write(dx, (scale * dxq).astype(x.dtype), i * bq), *scalars
+        dxq, *scalars = _loop(step, nk, (_zeros(query[0], acc, x, ys), *scalars), ys)
+        return _write(dx, (scale * dxq).astype(x.dtype), qs), *scalars
+
+    def key_grad(j, dy, queries):
+        """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before)."""
+        ks = _first(j, bk, m)
+        yk = _read(dy, ks, bk)  # the rows of ``ys`` this block owns are still there
+
+        def step(i, dyk, *queries):
+            query, own, _ = read_queries(queries, i)
+            _, dz = tile_grad(query, yk, ks, j * bk)
+            dz = jnp.where(own, dz, 0)
+            return dyk + jnp.matmul(dz.T, query[0], preferred_element_type=acc)
+
+        return (scale * _loop(step, nq, _zeros(yk, acc, x, ys), *queries)).astype(ys.dtype)
 
     def key_block(j, dy, zero, *queries):
         j = j + zero  # ``zero`` is 0 and orders this sweep after the first (see below)
-        yk = _read(dy, j * bk, bk)  # still ``ys``'s rows: block j is written just below
+        return _write(dy, key_grad(j, dy, queries), j * bk)
 
-        def step(i, dyk, *queries):
-            query = read_queries(queries, i)
-            _, dz = tile_grad(query, yk, j * bk)
-            return dyk + jnp.matmul(dz.T, query[0], preferred_element_type=acc)
-
-        dyk = _loop(step, nq, _zeros(yk, acc, x, ys), *queries)
-        return _write(dy, (scale * dyk).astype(ys.dtype), j * bk)
-
-    # Every row of dx and dy is written once, so their buffers start as x and ys
-    # (zeros would be one batch-sized broadcast, shared and copied by both). dx needs
-    # every row of ys; then dy is written *over* ys, block by block, each block read
-    # just before it is overwritten. The second sweep's block index depends on the
-    # first sweep's result, so it provably runs after it and XLA updates ys's buffer
-    # in place: the loss backward holds three batch-sized arrays (x, dx, ys/dy), not four.
-    zero = _zeros(yp[0, 0], acc, x, ys)
-    init = (_varying_like(queries[0], x, ys), zero, zero)
-    dx, dscale, dbias = _loop(query_block, nq, init, yp, *queries)
-    dy = _loop(key_block, nk, _varying_like(yp, x, ys), _zero_after(dscale), *queries)
-    return dx[: len(x)], dy[: len(ys)], dscale, dbias
+    # Every row of dx and dy is written, so their buffers start as x and ys (zeros
+    # would be one batch-sized broadcast, shared and copied by both). dx needs every
+    # row of ys; then dy is written *over* ys, block by block (a last, overlapping
+    # block reads rows already holding dy only in columns it masks). The second sweep's
+    # block index depends on the first sweep's result, so it provably runs after it
+    # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
+    # arrays (x, dx, ys/dy), not four.
+    zero = _zeros(ys[0, 0], acc, x, ys)
+    init = (_varying_like(x, x, ys), zero, zero)
+    dx, dscale, dbias = _loop(query_block, nq, init, ys, *queries)
+    dy = _loop(key_block, m // bk, _varying_like(ys, x, ys), _zero_after(dscale), *queries)
+    if m % bk:  # the last block overlaps the one before: only its own rows are written
+        own = m % bk
+        last = key_grad(nk - 1, dy, queries)[bk - own :]
+        # In a loop (of two identical turns: XLA inlines a loop of one), as XLA:CPU
+        # updates a narrow-float buffer in place only there.
+        dy = jax.lax.fori_loop(0, 2, lambda _, dy: _write(dy, last, m - own), dy)
+    return dx, dy, dscale, dbias
 
 
 def _zero_after(dep: Scalar) -> jax.Array:

@@ -120,6 +120,12 @@ def test_bf16_batch_memory_per_row_is_at_the_floor():
     assert growth <= 1.1 * FLOOR, f"{growth:.0f} bytes per row; floor {FLOOR}"
 
 
+def test_a_batch_not_a_multiple_of_the_block_is_not_padded():
+    """4096 + 40 rows: the loss's last block overlaps the one before; no padded copies."""
+    growth = per_row(small=4096 + 40, large=16384 + 40)
+    assert growth <= 1.1 * FLOOR, f"{growth:.0f} bytes per row; floor {FLOOR}"
+
+
 def test_loss_gradient_is_written_over_the_cache():
     """The blockwise backward writes the second input's gradient over its cache.
 
