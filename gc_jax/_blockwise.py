@@ -303,9 +303,7 @@ def _backward(
     if m % bk:  # the last block overlaps the one before: only its own rows are written
         own = m % bk
         last = key_grad(nk - 1, dy, queries)[bk - own :]
-        # In a loop (of two identical turns: XLA inlines a loop of one), as XLA:CPU
-        # updates a narrow-float buffer in place only there.
-        dy = jax.lax.fori_loop(0, 2, lambda _, dy: _write(dy, last, m - own), dy)
+        dy = _narrow.update_in_place(lambda dy: _write(dy, last, m - own), dy)
     return dx, dy, dscale, dbias
 
 

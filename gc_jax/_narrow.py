@@ -12,9 +12,12 @@ plain operation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
+
+T = TypeVar("T")
 
 
 def is_narrow(x: jax.Array) -> bool:
@@ -37,3 +40,13 @@ def on_cpu_as_bits(plain: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
         return jax.lax.bitcast_convert_type(plain(*map(_bits, args)), args[0].dtype)
 
     return jax.lax.platform_dependent(*args, cpu=as_bits, default=plain)
+
+
+def update_in_place(update: Callable[[T], T], buf: T) -> T:
+    """``update(buf)``, run by a loop of two identical turns (``update`` is idempotent).
+
+    Outside a loop XLA:CPU does not write into a narrow-float buffer in place, even on
+    the bits, so the update would copy the whole buffer; XLA inlines a loop of one
+    turn, hence two. Used for the few writes that happen outside the chunk loops.
+    """
+    return jax.lax.fori_loop(0, 2, lambda _, b: update(b), buf)

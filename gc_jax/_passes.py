@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _chunking, _distributed, _validation
+from gc_jax import _chunking, _distributed, _narrow, _validation
 
 PyTree = Any
 Encoder = Callable[[PyTree, PyTree, jax.Array | None], PyTree]
@@ -176,14 +176,8 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
 
 
 def _put_tail(cache: PyTree, reps: PyTree, plan: _chunking.ChunkPlan) -> PyTree:
-    """``cache`` with the tail's ``reps`` written in, in place.
-
-    Written by a loop of two identical turns (XLA inlines a loop of one): outside a
-    loop XLA:CPU does not update a narrow-float buffer in place, and the copy would
-    be one more batch-sized buffer.
-    """
-    write = lambda _, cache: _chunking.put(cache, reps, plan)
-    return jax.lax.fori_loop(0, 2, write, cache)
+    """``cache`` with the tail's ``reps`` written in, in place (no batch-sized copy)."""
+    return _narrow.update_in_place(lambda cache: _chunking.put(cache, reps, plan), cache)
 
 
 def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
