@@ -8,7 +8,7 @@ from gc_jax import cachex
 from gc_jax import functional
 from gc_jax import losses
 from gc_jax import testing
-from gc_jax._cache import cached_value_and_grad
+from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _distributed, _passes, _validation
-
-PyTree = Any
+from gc_jax._base import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax import _narrow
-
-PyTree = Any
+from gc_jax._base import PyTree
 
 
 class ChunkPlan(NamedTuple):

@@ -17,8 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-PyTree = Any
-AxisName = Any
+from gc_jax._base import AxisName, PyTree
 
 
 def all_gather(x: jax.Array, axis_name: AxisName) -> jax.Array:

@@ -18,7 +18,7 @@ import jax
 from flax import errors as flax_errors
 from flax import linen, nnx
 
-PyTree = Any
+from gc_jax._base import PyTree
 
 _PER_CHUNK_STATISTICS = (
     "BatchNorm in training mode normalises every chunk with that chunk's own "

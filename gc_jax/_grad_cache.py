@@ -30,9 +30,8 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
-from gc_jax import _cache, _flax, _validation
-
-PyTree = Any
+from gc_jax import _flax, _validation, _value_and_grad
+from gc_jax._base import PyTree
 
 
 def _is_array_tree(value: Any) -> bool:
@@ -245,7 +244,7 @@ class GradCache:
             for x, j in zip(inputs, joined, strict=True)
         ]
         loss = lambda _, *reps, **kw: self.loss_fn(*reps, **kw)
-        f = _cache.cached_value_and_grad(
+        f = _value_and_grad.cached_value_and_grad(
             loss, encoders, self.chunk_sizes, has_aux=self.has_aux, axis_name=self.axis_name
         )
         return f(params, *inputs, rng=rng, **dyn_kwargs, **dict(static_kwargs))

@@ -26,9 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _chunking, _distributed, _narrow, _validation
-
-PyTree = Any
-Encoder = Callable[[PyTree, PyTree, jax.Array | None], PyTree]
+from gc_jax._base import Encoder, PyTree
 
 
 class Input(NamedTuple):

@@ -30,9 +30,9 @@ from flax.training import train_state as flax_train_state
 from jax.experimental import checkify
 
 from gc_jax import _validation
-from gc_jax._cache import cached_value_and_grad
+from gc_jax._base import PyTree
+from gc_jax._value_and_grad import cached_value_and_grad
 
-PyTree = Any
 TrainState = flax_train_state.TrainState
 
 # The floor of a dynamic loss scale. Non-finite gradients at this scale are not an

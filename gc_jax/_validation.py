@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-PyTree = Any
+from gc_jax._base import PyTree
 
 
 def _is_int(value: Any) -> bool:

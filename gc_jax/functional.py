@@ -50,9 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _distributed, _validation
-
-PyTree = Any
-Encoder = Callable[[PyTree, PyTree, jax.Array | None], PyTree]
+from gc_jax._base import Encoder, PyTree
 
 
 def _pullback(encode: Encoder, params: PyTree, chunk: PyTree, key, rep_grad: PyTree) -> PyTree:

@@ -33,8 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gc_jax import _blockwise, _distributed, _validation
-
-AxisName = Any
+from gc_jax._base import AxisName
 
 _REDUCTIONS = ("mean", "sum", "none")
 

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax import _chunking, _validation
-
-PyTree = Any
+from gc_jax._base import PyTree
 
 
 def _full_batch_reps(encode, params, x, chunk_size, rng, index):
@@ -109,7 +108,7 @@ def assert_matches_full_batch(
       Traceback (most recent call last):
       AssertionError: ...
     """
-    from gc_jax._cache import cached_value_and_grad
+    from gc_jax._value_and_grad import cached_value_and_grad
 
     args = (loss_fn, encoders, chunk_size)
     cached = jax.jit(cached_value_and_grad(*args))(params, *inputs, rng=rng, **loss_kwargs)

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax import _chunked_encoder, _passes, _validation
+from gc_jax._base import PyTree
 from gc_jax.cachex.tree_utils import tree_unchunk
 
-PyTree = Any
 Array = jax.Array
 
 

@@ -18,8 +18,6 @@ import jax.numpy as jnp
 from gc_jax import _validation
 from gc_jax.cachex.functional import cache_grad, chunk_encode, unchunk_args
 
-PyTree = Any
-
 
 def cache_train_step(
     loss_fn: Callable[..., jax.Array],

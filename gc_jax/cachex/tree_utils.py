@@ -24,8 +24,7 @@ from typing import Any
 import jax
 
 from gc_jax import _validation
-
-PyTree = Any
+from gc_jax._base import PyTree
 
 
 def _int_arg(value: Any, name: str) -> int:

@@ -31,9 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _distributed, _passes, _validation
-
-PyTree = Any
-Encoder = _passes.Encoder
+from gc_jax._base import Encoder, PyTree
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
 _OWN_KEYWORDS = ("rng", "loss_scale")
