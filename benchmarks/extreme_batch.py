@@ -62,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=4096)
     p.add_argument("--json", type=Path, help="write the table as JSON here")
     p.add_argument("--quick", action="store_true", help="a tiny model and batches")
+    p.add_argument("--layers", type=int, default=12, help="layers per tower (a cheaper proxy)")
     p.add_argument(
         "--platform",
         choices=["cpu", "tpu"],
@@ -235,7 +236,7 @@ def report(cfg: bert.BertConfig, args: argparse.Namespace, results: dict, limit:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = bert.BertConfig()
+    cfg = bert.BertConfig(layers=args.layers)
     if args.quick:
         cfg = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128,
                               query_len=8, passage_len=16)  # fmt: skip
