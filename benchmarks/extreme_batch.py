@@ -15,17 +15,26 @@ the bfloat16 representation and its bfloat16 gradient (``4 x 768 x 2`` bytes). T
 *in-place floor* has three such rows, not four: the blockwise loss writes the second
 tower's gradient over its cache.
 
+``--platform tpu`` compiles for one TPU v5e chip with the real TPU compiler, compile
+only (libtpu's topology devices; no TPU needed): the chip offers 15.75 GiB, and a step
+that does not fit fails to compile (recorded as such, with the compiler's figure).
+
 Usage::
 
     python benchmarks/extreme_batch.py                 # gc_jax 2^12..2^20, baselines to 2^16
     python benchmarks/extreme_batch.py --quick         # a tiny model, seconds
+    python benchmarks/extreme_batch.py --platform tpu --log2-batches 20 21 --baseline-max-log2 0
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +46,7 @@ import bert
 
 GIB, KIB = 2**30, 2**10
 LIMIT = 16 * GIB  # one TPU v5e chip's HBM
+TPU_LIMIT = int(15.75 * GIB)  # what a v5e chip offers to programs (the TPU compiler's limit)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=4096)
     p.add_argument("--json", type=Path, help="write the table as JSON here")
     p.add_argument("--quick", action="store_true", help="a tiny model and batches")
+    p.add_argument("--layers", type=int, default=12, help="layers per tower (a cheaper proxy)")
+    p.add_argument(
+        "--platform",
+        choices=["cpu", "tpu"],
+        default="cpu",
+        help="cpu: this machine's XLA:CPU; tpu: one v5e chip, compile only (needs libtpu)",
+    )
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -66,9 +83,60 @@ def floor_per_row(cfg: bert.BertConfig, rows_of_reps: int = 4) -> int:
     return inputs + reps
 
 
-def analyse(step, params, queries, passages) -> dict:
+def v5e_chip() -> jax.Device:
+    """One TPU v5e chip, compile only: the real TPU compiler, no TPU needed."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compile-only users
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
+        chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False),
+    )  # fmt: skip
+    return topo.devices[0]
+
+
+def on(device: jax.Device | None, tree):
+    """``ShapeDtypeStruct``s placed on ``device`` (None: the default device)."""
+    if device is None:
+        return tree
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def _does_not_fit(err: Exception, start: float) -> dict:
+    """The TPU compiler's out-of-memory error, as a row: its temporaries' figure."""
+    found = re.search(r"HLO temporaries \(([0-9.]+)([GM])\)", str(err))
+    if "RESOURCE_EXHAUSTED" not in str(err) or not found:
+        raise err
+    temp = float(found[1]) * (GIB if found[2] == "G" else 2**20)
+    return {"arguments": 0, "temp": int(temp), "outputs": 0, "aliased": 0,
+            "total": None, "compile_s": time.perf_counter() - start, "oom": True}  # fmt: skip
+
+
+def _allocated_temp(dump: str) -> int | None:
+    """The buffer assignment's preallocated temp in device memory (XLA dump), or None.
+
+    On the TPU compiler ``memory_analysis().temp_size_in_bytes`` can exceed what the
+    buffer assignment allocates by whole batch-sized buffers, and the compiler's own
+    out-of-memory check follows the buffer assignment (see BENCHMARKS.md).
+    """
+    for path in glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt")):
+        with open(path) as f:
+            sizes = re.findall(r"^allocation \d+: size (\d+), preallocated-temp", f.read(), re.M)
+        return sum(map(int, sizes))
+    return None
+
+
+def analyse(step, params, queries, passages, dump: bool = False) -> dict:
     start = time.perf_counter()
-    m = jax.jit(step).lower(params, queries, passages).compile().memory_analysis()
+    with tempfile.TemporaryDirectory() as tmp:
+        options = {"xla_dump_to": tmp} if dump else None
+        try:
+            compiled = jax.jit(step).lower(params, queries, passages).compile(options)
+        except jax.errors.JaxRuntimeError as err:
+            return _does_not_fit(err, start)
+        allocated = _allocated_temp(tmp) if dump else None
+    m = compiled.memory_analysis()
     sizes = {
         "arguments": m.argument_size_in_bytes,
         "temp": m.temp_size_in_bytes,
@@ -76,98 +144,114 @@ def analyse(step, params, queries, passages) -> dict:
         "aliased": m.alias_size_in_bytes,
     }
     sizes["total"] = sizes["arguments"] + sizes["temp"] + sizes["outputs"] - sizes["aliased"]
+    if allocated is not None:  # what the chip would hold: the allocated temp instead
+        sizes["allocated_total"] = sizes["total"] - sizes["temp"] + allocated
     sizes["compile_s"] = time.perf_counter() - start
     return sizes
 
 
-def fixed_overhead_bound(cfg: bert.BertConfig, chunk: int) -> tuple[int, int]:
+def fixed_overhead_bound(cfg: bert.BertConfig, chunk: int, device=None) -> tuple[int, int]:
     """Temp bytes of one chunk's VJP of the biggest tower (compiled alone), and the bound.
 
     The bound on the step's temp memory at a small batch: that VJP plus two buffers
     the size of all the step's parameters (the accumulator and one chunk's
     gradient), +10 %.
     """
-    params = bert.abstract_params(cfg)
+    params = on(device, bert.abstract_params(cfg))
     tower = bert.passage_tower(cfg)  # passages are the longer input
-    batch = bert.abstract_batch(cfg, chunk, cfg.passage_len)
-    ct = jax.ShapeDtypeStruct((chunk, cfg.width), cfg.compute_dtype)
+    batch = on(device, bert.abstract_batch(cfg, chunk, cfg.passage_len))
+    ct = on(device, jax.ShapeDtypeStruct((chunk, cfg.width), cfg.compute_dtype))
     vjp = lambda p, x, ct: jax.vjp(lambda p: tower(p, x, None), p)[1](ct)
     one = jax.jit(vjp).lower(params, batch, ct).compile().memory_analysis().temp_size_in_bytes
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     return one, int(1.1 * (one + 2 * param_bytes))
 
 
-def run(cfg: bert.BertConfig, args: argparse.Namespace) -> dict:
-    params = bert.abstract_params(cfg)
+def run(cfg: bert.BertConfig, args: argparse.Namespace, device=None, limit=LIMIT) -> dict:
+    params = on(device, bert.abstract_params(cfg))
     variants = bert.steps(cfg, args.chunk, args.block)
     results: dict = {name: {} for name in variants}
     for log2 in args.log2_batches:
         rows = 2**log2
-        q = bert.abstract_batch(cfg, rows, cfg.query_len)
-        p = bert.abstract_batch(cfg, rows, cfg.passage_len)
+        q = on(device, bert.abstract_batch(cfg, rows, cfg.query_len))
+        p = on(device, bert.abstract_batch(cfg, rows, cfg.passage_len))
         for name, step in variants.items():
             if name != "gc_jax" and log2 > args.baseline_max_log2:
                 continue
-            results[name][rows] = analyse(step, params, q, p)
+            results[name][rows] = analyse(step, params, q, p, dump=device is not None)
             r = results[name][rows]
+            allocated = r.get("allocated_total")
+            allocated = "" if allocated is None else f"; allocated {allocated / GIB:.2f} GiB"
+            if r.get("oom"):
+                print(f"  {name:16s} B=2^{log2:<2d} does not fit: the TPU compiler's HLO "
+                      f"temporaries {r['temp'] / GIB:.2f} GiB > 15.75 GiB", flush=True)  # fmt: skip
+                continue
             print(
                 f"  {name:16s} B=2^{log2:<2d} args {r['arguments'] / GIB:7.2f} GiB  temp "
                 f"{r['temp'] / GIB:7.2f}  out {r['outputs'] / GIB:5.2f}  total "
-                f"{r['total'] / GIB:7.2f} GiB{'  > 16 GiB' if r['total'] > LIMIT else ''}"
-                f"  (compiled in {r['compile_s']:.0f} s)",
+                f"{r['total'] / GIB:7.2f} GiB{'  > limit' if r['total'] > limit else ''}"
+                f"{allocated}  (compiled in {r['compile_s']:.0f} s)",
                 flush=True,
             )
     return results
 
 
-def per_row(sizes: dict) -> float | None:
-    rows = sorted(sizes)
+def per_row(sizes: dict, key: str = "total") -> float | None:
+    rows = sorted(r for r, v in sizes.items() if v.get(key) is not None)
     if len(rows) < 2:
         return None
     a, b = rows[-2], rows[-1]
-    return (sizes[b]["total"] - sizes[a]["total"]) / (b - a)
+    return (sizes[b][key] - sizes[a][key]) / (b - a)
 
 
-def report(cfg: bert.BertConfig, args: argparse.Namespace, results: dict) -> None:
+def report(cfg: bert.BertConfig, args: argparse.Namespace, results: dict, limit: int) -> None:
     floor, in_place = floor_per_row(cfg), floor_per_row(cfg, 3)
     print(f"\nfloor: {floor} B per row ({floor / KIB:.2f} KiB); with the second tower's")
     print(f"gradient written over its cache: {in_place} B ({in_place / KIB:.2f} KiB)")
-    print("\n| variant | batch | arguments GiB | temp GiB | outputs GiB | total GiB | <= 16 GiB |")
+    print(f"\n| variant | batch | arguments GiB | temp GiB | outputs GiB | total GiB "
+          f"| <= {limit / GIB:.2f} GiB |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---|")
     for name, sizes in results.items():
         for rows, r in sorted(sizes.items()):
+            if r["total"] is None:
+                print(f"| {name} | 2^{rows.bit_length() - 1} | | {r['temp'] / GIB:.2f} (compiler) "
+                      "| | | no (fails to compile) |")  # fmt: skip
+                continue
             print(
                 f"| {name} | 2^{rows.bit_length() - 1} | {r['arguments'] / GIB:.2f} | "
                 f"{r['temp'] / GIB:.2f} | {r['outputs'] / GIB:.2f} | {r['total'] / GIB:.2f} | "
-                f"{'yes' if r['total'] <= LIMIT else 'no'} |"
+                f"{'yes' if r['total'] <= limit else 'no'} |"
             )
     print("\n| variant | per-row bytes (last two batches) | vs floor | vs in-place floor |")
     print("|---|---:|---:|---:|")
     for name, sizes in results.items():
-        growth = per_row(sizes)
-        if growth is not None:
-            print(
-                f"| {name} | {growth:,.0f} ({growth / KIB:.2f} KiB) | {growth / floor:.3f} | "
-                f"{growth / in_place:.3f} |"
-            )
+        for key, label in (("total", ""), ("allocated_total", ", allocated")):
+            growth = per_row(sizes, key)
+            if growth is not None:
+                print(
+                    f"| {name}{label} | {growth:,.0f} ({growth / KIB:.2f} KiB) | "
+                    f"{growth / floor:.3f} | {growth / in_place:.3f} |"
+                )
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = bert.BertConfig()
+    cfg = bert.BertConfig(layers=args.layers)
     if args.quick:
         cfg = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128,
                               query_len=8, passage_len=16)  # fmt: skip
         args.log2_batches, args.baseline_max_log2, args.chunk, args.block = [8, 10], 10, 16, 128
-    print(f"JAX {jax.__version__}, backend {jax.default_backend()}; {cfg.describe()}")
+    device, limit = (v5e_chip(), TPU_LIMIT) if args.platform == "tpu" else (None, LIMIT)
+    target = "one TPU v5e chip (TPU compiler)" if device else f"backend {jax.default_backend()}"
+    print(f"JAX {jax.__version__}, {target}; {cfg.describe()}")
     print(f"gc_jax chunk {args.chunk}, blockwise loss block {args.block}; compile only")
-    one, bound = fixed_overhead_bound(cfg, args.chunk)
+    one, bound = fixed_overhead_bound(cfg, args.chunk, device)
     print(
         f"one chunk's VJP of the passage tower (compiled alone): temp {one / GIB:.2f} GiB; "
         f"fixed-overhead bound (that + 2 parameter-sized buffers, +10 %): {bound / GIB:.2f} GiB"
     )
-    results = run(cfg, args)
-    report(cfg, args, results)
+    results = run(cfg, args, device, limit)
+    report(cfg, args, results, limit)
     smallest = min(results["gc_jax"])
     temp = results["gc_jax"][smallest]["temp"]
     print(
@@ -176,7 +260,8 @@ def main(argv=None) -> None:
     )
     if args.json:
         table = {k: {str(r): v for r, v in s.items()} for k, s in results.items()}
-        args.json.write_text(json.dumps({"config": cfg.describe(), "results": table}, indent=1))
+        out = {"config": cfg.describe(), "platform": args.platform, "results": table}
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

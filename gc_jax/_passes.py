@@ -201,17 +201,17 @@ def input_grad_buffer(inp: Input) -> list:
 
 
 def _pullback(inp: Input, shapes: PyTree, rep_grad: PyTree, c, vjp=None):
-    """``step(carry) -> carry``: chunk ``c``'s gradients added to ``(acc, dx)``.
+    """``step(params, dx) -> (grads, dx)``: chunk ``c``'s parameter gradient; ``dx``
+    with the chunk's batch gradient written in.
 
     ``vjp``: the chunk's VJP kept from pass 1; None: the chunk is encoded again.
     """
 
-    def step(params, carry):
-        acc, dx = carry
+    def step(params, dx):
         pull = vjp or jax.vjp(_encoder(inp, c, remat=True), params, _diff(inp, c))[1]
         g_params, g_x = pull(_cotangent(rep_grad, shapes, inp.plan, c))
         dx = [_chunking.put(b, x, inp.plan, c) for b, x in zip(dx, g_x, strict=True)]
-        return _add(acc, g_params), dx
+        return g_params, dx
 
     return step
 
@@ -232,50 +232,59 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
     """
     tail_vjps = tail_vjps or [None] * len(inputs)
     shapes = [output_shapes(inp, params) for inp in inputs]
-    carry = (acc, [input_grad_buffer(inp) for inp in inputs])
+    dxs = [input_grad_buffer(inp) for inp in inputs]
     pieces = []  # (input, body chunks (True) or the tail (False), how many) for the loop
     for i, (inp, vjp) in enumerate(zip(inputs, tail_vjps, strict=True)):
         if vjp is not None:
             pull = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
-            carry = _for_input(i, pull)(params, carry)
+            grads, dxs = _for_input(i, pull, acc)(params, dxs)
+            acc = _add(acc, grads)
         looped = inp.plan.num_body + (vjp is None and _full_tail(inp.plan))
         if looped:
             pieces.append((i, True, looped))
         if vjp is None and looped == inp.plan.num_body:
             pieces.append((i, False, 1))
     if not pieces:
-        return carry
+        return acc, dxs
     # The barrier makes the re-encoding wait for the gradient so far: XLA can neither
     # hoist it next to pass 1 nor merge it with pass 1's forward.
-    carry, params = jax.lax.optimization_barrier((carry, params))
+    (acc, dxs), params = jax.lax.optimization_barrier(((acc, dxs), params))
     starts = np.cumsum([0] + [n for _, _, n in pieces])
 
     def branch(piece):
         i, body, _ = piece
 
-        def run(c, carry):
+        def run(c, dxs):
             pull = _pullback(inputs[i], shapes[i], rep_grads[i], c if body else None)
-            return _for_input(i, pull)(params, carry)
+            return _for_input(i, pull, acc)(params, dxs)
 
         return run
 
     branches = [branch(p) for p in pieces]
 
     def step(g, carry):
-        if len(branches) == 1:
-            return branches[0](g, carry)
-        k = jnp.sum(g >= jnp.asarray(starts[1:-1]))
-        return jax.lax.switch(k, branches, g - jnp.asarray(starts)[k], carry)
-
-    return jax.lax.fori_loop(0, int(starts[-1]), step, carry)
-
-
-def _for_input(i: int, step):
-    """Applies an input's ``step(params, (acc, dx_i))`` to ``(acc, [dx_0, dx_1, ...])``."""
-
-    def run(params, carry):
+        # The accumulator stays out of the switch: passed through a conditional it
+        # would be copied at every turn (XLA:CPU); a branch returns one chunk's grads.
         acc, dxs = carry
-        acc, dx = step(params, (acc, dxs[i]))
-        return acc, [*dxs[:i], dx, *dxs[i + 1 :]]
+        if len(branches) == 1:
+            grads, dxs = branches[0](g, dxs)
+        else:
+            k = jnp.sum(g >= jnp.asarray(starts[1:-1]))
+            grads, dxs = jax.lax.switch(k, branches, g - jnp.asarray(starts)[k], dxs)
+        return _add(acc, grads), dxs
+
+    return jax.lax.fori_loop(0, int(starts[-1]), step, (acc, dxs))
+
+
+def _for_input(i: int, step, acc: PyTree):
+    """Applies input ``i``'s ``step(params, dx_i)`` to ``[dx_0, dx_1, ...]``.
+
+    The gradients come back typed like ``acc``, so every input's branch agrees.
+    """
+
+    def run(params, dxs):
+        grads, dx = step(params, dxs[i])
+        grads = jax.tree.map(lambda a, g: g.astype(a.dtype), acc, grads)
+        return grads, [*dxs[:i], dx, *dxs[i + 1 :]]
 
     return run

@@ -1,0 +1,60 @@
+"""Memory on the real TPU compiler (one v5e chip, compile only: libtpu, no TPU needed).
+
+The TPU compiler lays buffers out in (8, 128) tiles, so its per-row bytes differ from
+XLA:CPU's (``tests/test_memory.py``). This is a regression test of what it keeps per
+row for a small bfloat16 model; see BENCHMARKS.md ("Extreme batch", TPU) for what the
+bytes are made of. When libtpu is missing the test fails: it is never skipped.
+"""
+
+import functools
+import os
+
+import jax
+import pytest
+import test_memory as cpu
+
+import gc_jax
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compile-only users
+
+
+@functools.cache
+def v5e_chip() -> jax.sharding.Sharding:
+    from jax.experimental import topologies  # libtpu's compile-only devices
+
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
+        chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False),
+    )  # fmt: skip
+    return jax.sharding.SingleDeviceSharding(topo.devices[0])
+
+
+def on_tpu(tree):
+    sharding = v5e_chip()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def total_bytes(rows: int) -> int:
+    f = gc_jax.cached_value_and_grad(cpu.blockwise, cpu.token_encoder, cpu.BF16_CHUNK)
+    args = on_tpu((cpu.TOKEN_PARAMS, cpu.ids(rows), cpu.ids(rows)))
+    m = jax.jit(f).lower(*args).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+
+
+# An int32 [B, 8] array that the compiler re-lays out row-major is padded to 128 lanes.
+TILED_IDS = 2 * 128 * 4
+
+
+@pytest.mark.parametrize("small, large", [(4096, 16384)])
+def test_bf16_batch_memory_per_row_on_a_v5e_chip(small, large):
+    """Per row: at most the CPU floor plus both inputs' ids padded to 128 lanes.
+
+    The floor (``tests.test_memory.FLOOR``): both inputs' ids and three bfloat16
+    representation rows. On the TPU compiler the bytes per row are larger (see
+    BENCHMARKS.md); this bounds them so they cannot grow unnoticed.
+    """
+    assert v5e_chip().device_set.pop().platform == "tpu"
+    growth = (total_bytes(large) - total_bytes(small)) / (large - small)
+    bound = cpu.FLOOR + TILED_IDS
+    assert growth <= bound, f"{growth:.0f} bytes per row on a v5e chip; bound {bound}"
+    assert growth >= cpu.FLOOR, f"{growth:.0f} bytes per row: below the floor {cpu.FLOOR}?"
