@@ -69,7 +69,7 @@ def _value(x):
 def _fwd(config: _Config, params, batch, key):
     is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
     leaves = jax.tree.leaves(batch, is_leaf=is_primal)
-    wrt = tuple(bool(x.perturbed) and _passes.is_float(x.value) for x in leaves)
+    wrt = tuple(bool(x.perturbed) and _passes.is_inexact(x.value) for x in leaves)
     params, batch, key = jax.tree.map(_value, (params, batch, key), is_leaf=is_primal)
     reps = _passes.forward(_input(config, batch, key, wrt), params)[0]
     return reps, (params, batch, key, _Static(wrt))

@@ -204,17 +204,9 @@ class GradCache:
         for i, m in enumerate(self.models):
             if not isinstance(m, nnx.Module):
                 raise TypeError(f"models[{i}] must be an nnx.Module, got {type(m).__name__}.")
-        n = len(self.models)
-        if isinstance(chunk_sizes, Sequence) and not isinstance(chunk_sizes, str):
-            if len(chunk_sizes) != n:
-                raise ValueError(
-                    f"chunk_sizes has {len(chunk_sizes)} entries for {n} models; "
-                    "pass one int for all models or exactly one per model."
-                )
-            names = [f"chunk_sizes[{i}]" for i in range(n)]
-        else:
-            chunk_sizes, names = [chunk_sizes] * n, ["chunk_sizes"] * n
-        self.chunk_sizes = tuple(map(_validation.positive_int, chunk_sizes, names))
+        self.chunk_sizes = _validation.per_input(
+            chunk_sizes, len(self.models), "chunk_sizes", _validation.positive_int, what="models"
+        )
         self.loss_fn = _validation.callable_arg(loss_fn, "loss_fn")
         for name, fn in (("split_input_fn", split_input_fn), ("get_rep_fn", get_rep_fn)):
             if fn is not None:

@@ -51,7 +51,8 @@ class Input(NamedTuple):
     name: str = "encoder"
 
 
-def is_float(x: Any) -> bool:
+def is_inexact(x: Any) -> bool:
+    """Whether ``x`` is floating point or complex: a leaf JAX differentiates."""
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
@@ -137,7 +138,7 @@ def output_shapes(inp: Input, params: PyTree) -> PyTree:
 
 def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
     def one(r):
-        dtype = cache_dtype if cache_dtype is not None and is_float(r) else r.dtype
+        dtype = cache_dtype if cache_dtype is not None and is_inexact(r) else r.dtype
         return jax.ShapeDtypeStruct(r.shape, dtype)
 
     return jax.tree.map(one, shapes)
@@ -184,7 +185,7 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
     rows = plan.num_shards * _chunking.rows_of(plan, c)
 
     def one(g, r):
-        if not is_float(r):  # integer/boolean outputs: a float0 zero cotangent
+        if not is_inexact(r):  # integer/boolean outputs: a float0 zero cotangent
             return np.zeros((rows, *r.shape[1:]), jax.dtypes.float0)
         return _chunking.take(g, plan, c).astype(r.dtype)
 

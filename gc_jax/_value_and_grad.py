@@ -28,9 +28,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gc_jax import _distributed, _passes, _validation
+from gc_jax import _distributed, _loss_scale, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
@@ -52,14 +51,40 @@ def _check_loss_keywords(loss_fn: Callable[..., Any]) -> None:
             )
 
 
-def _check_loss_scale(loss_scale: Any) -> None:
-    if loss_scale is None or isinstance(loss_scale, jax.core.Tracer):
-        return
-    value = np.asarray(loss_scale)
-    if value.shape != () or not (bool(np.isfinite(value)) and float(value) > 0):
+def _check_named_axes(axis_name: Any) -> None:
+    """Raises inside ``pmap``/``shard_map(check_vma=False)`` over an axis not in ``axis_name``.
+
+    There the values carry no varying type, so gc_jax cannot see whether the batch
+    is split over the axis; if it is, each device would silently train on its own
+    rows' negatives. (With ``check_vma=True`` the inputs' types say it, and
+    ``_distributed.check_loss_axes`` decides.)
+    """
+    untyped = _distributed.untyped_manual_axes(axis_name)
+    if untyped:
+        fix = untyped[0] if len(untyped) == 1 else untyped
         raise ValueError(
-            f"loss_scale must be a finite positive scalar (or None), got {loss_scale!r}: "
-            "the gradients are divided by it."
+            f"cached_value_and_grad runs inside pmap or shard_map(check_vma=False) over "
+            f"mesh axes {list(untyped)} that axis_name={axis_name!r} does not name. If the "
+            "batch is split over them, each device would train on its own rows' negatives "
+            "only: a wrong loss and gradient, silently. Pass axis_name="
+            f"{fix!r} here and to the loss (e.g. gc_jax.losses.contrastive_loss(q, d, "
+            f"axis_name={fix!r})). If every device holds the whole batch (e.g. a "
+            "model-parallel axis), use jax.shard_map with check_vma=True (the default), "
+            "where gc_jax reads that from the inputs' types."
+        )
+
+
+def _check_differentiable(cache: PyTree, inp: _passes.Input, i: int) -> None:
+    """Raises if input ``i``'s encoder returns no floating-point output at all."""
+    leaves = jax.tree.leaves(cache)
+    if not any(_passes.is_inexact(x) for x in leaves):
+        dtypes = sorted({str(x.dtype) for x in leaves})
+        raise ValueError(
+            f"{inp.name} returns no floating-point output for inputs[{i}] (dtypes {dtypes}), "
+            "so there is nothing to differentiate: the loss would see only integers and "
+            "every gradient would be zero. Return the float representations (embeddings) "
+            "from the encoder; pass integer data the loss needs (ids, labels, masks) as a "
+            "loss keyword argument, or next to a float output."
         )
 
 
@@ -77,7 +102,7 @@ def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder,
 def _split_float(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
     """The float leaves of ``tree`` and a function putting new ones back in their place."""
     leaves, treedef = jax.tree.flatten(tree)
-    mask = [_passes.is_float(x) for x in leaves]
+    mask = [_passes.is_inexact(x) for x in leaves]
 
     def join(floats):
         it = iter(floats)
@@ -170,7 +195,8 @@ def cached_value_and_grad(
     _validation.callable_arg(loss_fn, "loss_fn")
     _check_loss_keywords(loss_fn)
     encoders = _encoders(encoders)
-    _validation.chunk_sizes(chunk_size)
+    chunk_size = _validation.chunk_sizes(chunk_size)
+    cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
 
     def value_and_grad_fn(
         params: PyTree,
@@ -183,28 +209,29 @@ def cached_value_and_grad(
             raise ValueError("no inputs were given; expected at least one batch to encode.")
         _validation.axis_bound(axis_name)
         _validation.rng_key(rng)
-        _check_loss_scale(loss_scale)
+        _loss_scale.check_loss_scale(loss_scale)
         if rng is not None and axis_name is not None:  # distinct dropout on every device
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
-        plan = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
-        keep_all, keep_last = _kept_vjps(plan)
+        planned = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
+        keep_all, keep_last = _kept_vjps(planned)
         reps, kept = (), []
-        for i, inp in enumerate(plan):
-            keep = keep_all or (keep_last and i == len(plan) - 1)
+        for i, inp in enumerate(planned):
+            keep = keep_all or (keep_last and i == len(planned) - 1)
             cache, vjp = _passes.forward(
                 inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=reps
             )
+            _check_differentiable(cache, inp, i)
             reps += (cache,)
             kept.append(vjp)
 
         loss, aux, acc, rep_grads = _loss_and_rep_grads(
             loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
         )
+        _check_named_axes(axis_name)  # after the loss's own axis check, which says more
         acc = jax.tree.map(lambda g: g.astype(_passes.wide(g.dtype)), acc)
-        acc, _ = _passes.backward(plan, pparams, list(rep_grads), acc, tail_vjps=kept)
-        if loss_scale is not None:
-            acc = jax.tree.map(lambda g: g / loss_scale, acc)
+        acc, _ = _passes.backward(planned, pparams, list(rep_grads), acc, tail_vjps=kept)
+        loss, acc = _loss_scale.unscale(loss, acc, loss_scale)
         grads = jax.tree.map(
             lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, axis_name), params
         )
@@ -214,7 +241,7 @@ def cached_value_and_grad(
     return value_and_grad_fn
 
 
-def _kept_vjps(plan: list[_passes.Input]) -> tuple[bool, bool]:
+def _kept_vjps(inputs: list[_passes.Input]) -> tuple[bool, bool]:
     """Whether pass 1 keeps every input's VJP, and whether it keeps the last chunk's.
 
     Every VJP is kept when every input is a single chunk: that is plain full-batch
@@ -224,15 +251,15 @@ def _kept_vjps(plan: list[_passes.Input]) -> tuple[bool, bool]:
     encoding with its first (common-subexpression elimination), which keeps the
     chunk's activations from pass 1 next to the kept ones.
     """
-    chunks = sum(inp.plan.num_body + 1 for inp in plan)
-    return chunks == len(plan), chunks >= 3
+    chunks = sum(inp.plan.num_body + 1 for inp in inputs)
+    return chunks == len(inputs), chunks >= 3
 
 
 def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_passes.Input]:
     """One planned :class:`_passes.Input` per batch; input ``i``'s keys fold in ``i`` first."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-    sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+    sizes = _validation.per_input(chunk_size, n, "chunk_size", lambda size, _: size)
     return [
         _passes.make_input(
             e,
