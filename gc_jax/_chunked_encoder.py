@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _passes, _validation
+from gc_jax import _chunking, _distributed, _passes, _validation
 from gc_jax._base import PyTree
 
 
@@ -101,6 +101,42 @@ def _bwd(config: _Config, residuals, ct):
 _encode_batch.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
+def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Config, PyTree]:
+    """``(config, params)`` with what ``encode`` closes over and is differentiated made explicit.
+
+    An encoder built inside the differentiated function (``lambda _, x, key: f(w, x)``
+    in ``loss(w)``) closes over ``w``'s tracer, which a ``custom_vjp`` cannot see.
+    ``jax.closure_convert`` (once per chunk shape: the full chunks and the last one)
+    turns such values into arguments; they are passed along with ``params`` and get
+    their gradient like them. Closed-over values that are only staged (``jit``) stay
+    closed over, as before.
+    """
+    plan = _input(config, batch, key).plan
+    chunks = {None} | ({0} if plan.num_body else set())
+    converted = {}
+    for c in chunks:
+        chunk = jax.eval_shape(lambda b, c=c: _chunking.take(b, plan, c), batch)
+        fn, consts = jax.closure_convert(config.encode, params, chunk, key)
+        converted[_chunking.rows_of(plan, c) * plan.num_shards] = (fn, consts)
+    staged = type(jnp.zeros(()))  # a value merely staged out here (jit), or a plain array
+    consts = [cs for _, cs in converted.values()]
+    if not any(not isinstance(x, staged) for cs in consts for x in cs):
+        return config, params
+    if any(len(cs) != len(consts[0]) or any(a is not b for a, b in zip(cs, consts[0], strict=True))
+           for cs in consts):  # fmt: skip
+        raise ValueError(
+            "encode closes over differentiated values, and not the same ones for the full "
+            "chunks and the last chunk; pass them as encode's first argument instead: "
+            "chunked_encoder(lambda params, x, key: ..., chunk_size)(params, batch)."
+        )
+
+    def encode(explicit, chunk, key):
+        fn, _ = converted[_validation.leading_size(chunk, "chunk")]
+        return fn(explicit[0], chunk, key, *explicit[1])
+
+    return dataclasses.replace(config, encode=encode), (params, list(consts[0]))
+
+
 def chunked_encoder(
     encode: Callable[[PyTree, PyTree, jax.Array | None], PyTree],
     chunk_size: int,
@@ -169,6 +205,7 @@ def chunked_encoder(
         # Inside shard_map, parameters used with per-device rows are cast to vary
         # first: their gradient is then summed over devices by the cast's transpose.
         params = _distributed.to_varying(params, _distributed.varying_axes_of(batch) or None)
-        return _encode_batch(config, params, batch, key)
+        hoisted, params = _hoisted(config, params, batch, key)
+        return _encode_batch(hoisted, params, batch, key)
 
     return encode_batch
