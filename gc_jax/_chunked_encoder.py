@@ -84,6 +84,13 @@ def _dense(ct: Any) -> Any:
     return np.zeros(ct.shape, jax.dtypes.float0)
 
 
+def _param_grad(acc: jax.Array, param: jax.Array) -> Any:
+    """A parameter's gradient in its dtype; integer parameters: float0, as in ``jax.vjp``."""
+    if _passes.is_inexact(param):
+        return acc.astype(param.dtype)
+    return np.zeros(param.shape, jax.dtypes.float0)
+
+
 def _bwd(config: _Config, residuals, ct):
     params, batch, key, wrt = residuals
     inp = _input(config, batch, key, wrt.value)
@@ -92,7 +99,7 @@ def _bwd(config: _Config, residuals, ct):
     )
     acc = jax.tree.map(lambda p: jnp.zeros_like(p, _passes.wide(p.dtype)), params)
     acc, (batch_grads,) = _passes.backward([inp], params, [ct], acc)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
+    grads = jax.tree.map(_param_grad, acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates
     batch_grads = [next(it) if w else None for w in wrt.value]
     return grads, jax.tree.structure(batch).unflatten(batch_grads), None
@@ -116,7 +123,8 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
     converted = {}
     for c in chunks:
         chunk = jax.eval_shape(lambda b, c=c: _chunking.take(b, plan, c), batch)
-        fn, consts = jax.closure_convert(config.encode, params, chunk, key)
+        call = lambda p, x, k: _validation.call_encoder(config.encode, p, x, k, "encode")
+        fn, consts = jax.closure_convert(call, params, chunk, key)
         converted[_chunking.rows_of(plan, c) * plan.num_shards] = (fn, consts)
     staged = type(jnp.zeros(()))  # a value merely staged out here (jit), or a plain array
     consts = [cs for _, cs in converted.values()]

@@ -18,6 +18,7 @@ import jax
 from flax import errors as flax_errors
 from flax import linen, nnx
 
+from gc_jax import _validation
 from gc_jax._base import PyTree
 
 _PER_CHUNK_STATISTICS = (
@@ -159,6 +160,18 @@ def linen_encoder(
             return get_rep(call_with_chunk(fn, chunk))
         except (flax_errors.ModifyScopeVariableError, flax_errors.ScopeCollectionNotFound) as e:
             raise _linen_error(e, module, given) from e
+        except flax_errors.ApplyScopeInvalidVariablesStructureError as e:
+            raise ValueError(
+                f"linen_encoder({type(module).__name__}) got a whole Linen variables dict as "
+                f"params (a 'params' collection inside params: {sorted(params)}). The "
+                "encoder's params are the 'params' collection only: pass "
+                "variables['params'] (or TrainState.params), and the other collections "
+                "with linen_encoder(..., extra_variables={'batch_stats': ...})."
+            ) from e
+        except flax_errors.InvalidRngError as e:
+            if key is not None:
+                raise
+            raise _validation.missing_key(f"linen_encoder({type(module).__name__})", e) from e
 
     return encode
 

@@ -114,7 +114,7 @@ def _encoder(inp: Input, c, remat: bool = False) -> Callable[[PyTree, list], PyT
         chunk = _chunking.take(inp.batch, inp.plan, c)
         if any(inp.wrt):
             chunk = _replace(chunk, inp.wrt, diff)
-        reps = encode(params, chunk, _key(inp, c))
+        reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
         _validation.rows(reps, inp.plan.num_shards * _chunking.rows_of(inp.plan, c), inp.name)
         return reps
 
@@ -193,7 +193,9 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
 
 
 def _add(acc: PyTree, grads: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    """``acc + grads``; integer leaves (a float0 gradient) get none, as in JAX."""
+    add = lambda a, g: a if g.dtype == jax.dtypes.float0 else a + g.astype(a.dtype)
+    return jax.tree.map(add, acc, grads)
 
 
 def input_grad_buffer(inp: Input) -> list:

@@ -222,3 +222,24 @@ def rng_key(rng: Any, name: str = "rng") -> None:
             f"default PRNG implementation have shape {tuple(raw)}; pass jax.random.key(seed) "
             "(a typed key) or jax.random.PRNGKey(seed)."
         )
+
+
+def missing_key(name: str, error: Exception) -> TypeError:
+    """The error for an encoder that draws random numbers (dropout) but got no key."""
+    return TypeError(
+        f"{name} draws random numbers (e.g. dropout) but got key=None ({error}). Pass a "
+        "key: rng=jax.random.key(seed) to the gc_jax step (cached_value_and_grad's "
+        "function, make_train_step's train_step, GradCache), or encode_batch(params, "
+        "batch, key) for chunked_encoder; or run the encoder deterministically when its "
+        "key is None."
+    )
+
+
+def call_encoder(encode: Callable, params: PyTree, chunk: PyTree, key: Any, name: str) -> PyTree:
+    """``encode(params, chunk, key)``; a missing key is named (see :func:`missing_key`)."""
+    try:
+        return encode(params, chunk, key)
+    except TypeError as e:
+        if key is not None or "PRNG key" not in str(e):
+            raise
+        raise missing_key(name, e) from e

@@ -22,6 +22,7 @@ nothing re-encoded.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,6 +89,31 @@ def _check_differentiable(cache: PyTree, inp: _passes.Input, i: int) -> None:
         )
 
 
+def _check_loss_call(loss_fn: Callable[..., Any], num_inputs: int, kwargs: dict) -> None:
+    """Raises if ``loss_fn`` cannot be called as ``loss_fn(params, *reps, **kwargs)``."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return
+    try:
+        signature.bind(None, *[None] * num_inputs, **kwargs)
+        return
+    except TypeError as e:
+        error = e
+    hint = ""
+    with contextlib.suppress(TypeError):
+        signature.bind(*[None] * num_inputs, **kwargs)
+        hint = (
+            " It takes the representations alone, but params come first: write "
+            "loss_fn=lambda params, *reps: your_loss(*reps), or give it a params argument."
+        )
+    raise TypeError(
+        f"loss_fn{signature} is called as loss_fn(params, *reps, **loss_kwargs) with "
+        f"{num_inputs} representation(s) and keywords {sorted(kwargs)}, and cannot be "
+        f"({error}).{hint}"
+    )
+
+
 def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder, ...]:
     if isinstance(encoders, Sequence):
         encoders = tuple(
@@ -99,7 +125,7 @@ def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder,
     return _validation.callable_arg(encoders, "encoders")
 
 
-def _split_float(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
+def _split_inexact(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
     """The float leaves of ``tree`` and a function putting new ones back in their place."""
     leaves, treedef = jax.tree.flatten(tree)
     mask = [_passes.is_inexact(x) for x in leaves]
@@ -118,17 +144,22 @@ def _loss_and_rep_grads(loss_fn, has_aux, params, reps, scale, axis_name, inputs
     cotangents where they are made) with respect to the float leaves of ``reps``;
     integer or boolean outputs (ids, masks) are passed to the loss as they are.
     """
-    floats, join = _split_float(reps)
+    floats, join = _split_inexact(reps)
+    p_floats, p_join = _split_inexact(params)
 
-    def loss_of(p, floats):
-        loss, aux = _validation.scalar_loss(loss_fn(p, *join(floats), **kwargs), has_aux)
+    def loss_of(p_floats, floats):
+        out = loss_fn(p_join(p_floats), *join(floats), **kwargs)
+        loss, aux = _validation.scalar_loss(out, has_aux)
         scaled = loss if scale is None else loss * jnp.asarray(scale, loss.dtype)
         return scaled, (loss, aux)
 
-    loss_axes = _distributed.collective_axes(jax.make_jaxpr(loss_of)(params, floats))
+    loss_axes = _distributed.collective_axes(jax.make_jaxpr(loss_of)(p_floats, floats))
     _distributed.check_loss_axes(loss_axes, axis_name, _distributed.varying_axes_of(inputs))
     grad_fn = jax.value_and_grad(loss_of, (0, 1), has_aux=True)
-    (_, (loss, aux)), (acc, rep_floats) = grad_fn(params, floats)
+    (_, (loss, aux)), (acc, rep_floats) = grad_fn(p_floats, floats)
+    # Integer leaves of params get no gradient: zeros of their dtype, which optimizers
+    # add to them harmlessly (``jax.grad(allow_int=True)`` would give float0).
+    acc = _split_inexact(jax.tree.map(jnp.zeros_like, params))[1](acc)
     return loss, aux, acc, join(rep_floats)
 
 
@@ -207,6 +238,7 @@ def cached_value_and_grad(
     ):
         if not inputs:
             raise ValueError("no inputs were given; expected at least one batch to encode.")
+        _check_loss_call(loss_fn, len(inputs), loss_kwargs)
         _validation.axis_bound(axis_name)
         _validation.rng_key(rng)
         _loss_scale.check_loss_scale(loss_scale)

@@ -234,7 +234,7 @@ def test_train_step_options():
         gc_jax.make_train_step(loss, encode, 2, optimizer=lambda g: g)
     with pytest.raises(
         ValueError,
-        match="loss_scale must be None, a finite positive number or .dynamic., got .auto.",
+        match=r"loss_scale must be None, a finite positive number or .dynamic., got .auto.",
     ):
         gc_jax.make_train_step(loss, encode, 2, loss_scale="auto")
     with pytest.raises(ValueError, match="finite positive number, got 0"):
@@ -509,3 +509,66 @@ def test_replicated_leaf_before_a_sharded_leaf_is_resharded():
 
 def encode_tree_ab(p, x, key):
     return jnp.tanh(x["a_replicated"] @ p["w"] - x["b_sharded"] @ p["w"])
+
+
+def test_loss_without_params_first_names_the_fix():
+    f = gc_jax.cached_value_and_grad(lambda q, d: contrastive_loss(q, d), encode, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"loss_fn\(q, d\) is called as loss_fn\(params, \*reps"
+        r".*params come first: write loss_fn=lambda params, \*reps",
+    ):
+        traced(f, W, Q, DOC)
+
+
+def test_dropout_encoder_without_rng_names_the_argument():
+    def dropout(p, x, key):
+        return encode(p, x, key) * jax.random.bernoulli(key, 0.9, (x.shape[0], D))
+
+    f = gc_jax.cached_value_and_grad(loss, dropout, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"encoder draws random numbers.*got key=None.*"
+        r"rng=jax\.random\.key\(seed\)",
+    ):
+        traced(f, W, Q, DOC)
+    encode_batch = gc_jax.chunked_encoder(dropout, 2)
+    with pytest.raises(TypeError, match=r"encode draws random numbers.*encode_batch\(params, "):
+        traced(lambda p: encode_batch(p, Q), W)
+
+
+P_INT = {"w": jnp.eye(D), "n": jnp.array(3, jnp.int32)}
+
+
+def _scaled(p, x, key):
+    return jnp.tanh(x @ p["w"] * p["n"].astype(jnp.float32) / 3)
+
+
+def _full_loss(p):
+    return loss(p, _scaled(p, Q, None), _scaled(p, DOC, None))
+
+
+def test_integer_param_leaf_gets_no_gradient_cached_value_and_grad():
+    """Zeros of the leaf's dtype (so optimizers leave it as it is); floats exact."""
+    value, grads = jax.jit(gc_jax.cached_value_and_grad(loss, _scaled, 3))(P_INT, Q, DOC)
+    ref_value, ref_grads = jax.value_and_grad(_full_loss, allow_int=True)(P_INT)
+    chex.assert_trees_all_close(
+        (value, grads["w"]), (ref_value, ref_grads["w"]), rtol=1e-5, atol=1e-6
+    )
+    assert grads["n"].dtype == jnp.int32 and int(grads["n"]) == 0
+    opt = optax.adam(0.1)
+    step = jax.jit(gc_jax.make_train_step(loss, _scaled, 3, optimizer=opt))
+    (params, _), metrics = step((P_INT, opt.init(P_INT)), Q, DOC)
+    assert bool(metrics["is_finite"]) and int(params["n"]) == 3
+
+
+def test_integer_param_leaf_gets_no_gradient_chunked_encoder():
+    """Inside the user's jax.grad(allow_int=True): float0, as for the plain encoder."""
+    encode_batch = gc_jax.chunked_encoder(_scaled, 3)
+    cached = lambda p: loss(p, encode_batch(p, Q), encode_batch(p, DOC))
+    got = jax.jit(jax.value_and_grad(cached, allow_int=True))(P_INT)
+    want = jax.value_and_grad(_full_loss, allow_int=True)(P_INT)
+    chex.assert_trees_all_close(
+        (got[0], got[1]["w"]), (want[0], want[1]["w"]), rtol=1e-5, atol=1e-6
+    )
+    assert got[1]["n"].dtype == want[1]["n"].dtype == jax.dtypes.float0
