@@ -84,22 +84,14 @@ def _dense(ct: Any) -> Any:
     return np.zeros(ct.shape, jax.dtypes.float0)
 
 
-def _param_grad(acc: jax.Array, param: jax.Array) -> Any:
-    """A parameter's gradient in its dtype; integer parameters: float0, as in ``jax.vjp``."""
-    if _passes.is_inexact(param):
-        return acc.astype(param.dtype)
-    return np.zeros(param.shape, jax.dtypes.float0)
-
-
 def _bwd(config: _Config, residuals, ct):
     params, batch, key, wrt = residuals
     inp = _input(config, batch, key, wrt.value)
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
-    acc = jax.tree.map(lambda p: jnp.zeros_like(p, _passes.wide(p.dtype)), params)
-    acc, (batch_grads,) = _passes.backward([inp], params, [ct], acc)
-    grads = jax.tree.map(_param_grad, acc, params)
+    acc, (batch_grads,) = _passes.backward([inp], params, [ct], _passes.grad_buffer(params))
+    grads = _passes.param_grads(acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates
     batch_grads = [next(it) if w else None for w in wrt.value]
     return grads, jax.tree.structure(batch).unflatten(batch_grads), None

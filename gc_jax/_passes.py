@@ -85,9 +85,7 @@ def _full_tail(plan: _chunking.ChunkPlan) -> bool:
 
 
 def _key(inp: Input, c) -> jax.Array | None:
-    if inp.rng is None:
-        return None
-    return jax.random.fold_in(inp.rng, inp.plan.num_body if c is None else c)
+    return _chunking.chunk_key(inp.rng, inp.plan.num_body if c is None else c)
 
 
 def _differentiated(tree: PyTree, wrt: tuple[bool, ...]) -> list:
@@ -196,6 +194,20 @@ def _add(acc: PyTree, grads: PyTree) -> PyTree:
     """``acc + grads``; integer leaves (a float0 gradient) get none, as in JAX."""
     add = lambda a, g: a if g.dtype == jax.dtypes.float0 else a + g.astype(a.dtype)
     return jax.tree.map(add, acc, grads)
+
+
+def grad_buffer(params: PyTree) -> PyTree:
+    """Zeros to accumulate the parameter gradients in (narrow floats widened)."""
+    return jax.tree.map(lambda p: jnp.zeros_like(p, wide(p.dtype)), params)
+
+
+def param_grads(acc: PyTree, params: PyTree) -> PyTree:
+    """Accumulated gradients in the parameters' dtypes; integer leaves: float0, as ``jax.vjp``."""
+
+    def one(g, p):
+        return g.astype(p.dtype) if is_inexact(p) else np.zeros(p.shape, jax.dtypes.float0)
+
+    return jax.tree.map(one, acc, params)
 
 
 def input_grad_buffer(inp: Input) -> list:

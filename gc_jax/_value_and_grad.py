@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed, _loss_scale, _passes, _validation
+from gc_jax import _chunking, _distributed, _loss_scale, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
@@ -297,7 +297,7 @@ def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_p
             e,
             x,
             size,
-            None if rng is None else jax.random.fold_in(rng, i),
+            _chunking.input_key(rng, i),
             name=f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder",
             batch_name=f"inputs[{i}]",
             axis_name=axis_name,
