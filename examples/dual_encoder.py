@@ -335,7 +335,7 @@ def make_optimizer(
     )
 
 
-def make_train_step(
+def make_example_step(
     model: SentenceEncoder, optimizer: optax.GradientTransformation, chunk_size: int
 ) -> Callable[..., tuple[Params, Any, jax.Array]]:
     """``step(params, opt_state, queries, documents, key) -> (params, opt_state, loss)``.
@@ -584,7 +584,7 @@ def save(manager, state: TrainState) -> None:
 def compile_step(model, optimizer, state: TrainState, data: Tokenized, args) -> tuple[Any, dict]:
     """The jitted, compiled train step and a ``"compile"`` metrics record."""
     sample = (state.params, state.opt_state, *data.rows(np.arange(args.batch)), state.key)
-    step = jax.jit(make_train_step(model, optimizer, args.chunk), donate_argnums=(0, 1))
+    step = jax.jit(make_example_step(model, optimizer, args.chunk), donate_argnums=(0, 1))
     tick = time.perf_counter()
     compiled = step.lower(*sample).compile()
     record = {
@@ -598,7 +598,7 @@ def compile_step(model, optimizer, state: TrainState, data: Tokenized, args) -> 
         f"{record['seconds']:.1f}s, temp memory {_mib(record['temp_bytes'])}"
     )
     if args.compare_full_batch:
-        full_batch = jax.jit(make_train_step(model, optimizer, args.batch))
+        full_batch = jax.jit(make_example_step(model, optimizer, args.batch))
         record["full_batch_temp_bytes"] = compiled_temp_bytes(full_batch.lower(*sample).compile())
         print(
             f"  without gradient caching (chunk = batch): temp memory "
@@ -626,32 +626,44 @@ def train(
         initial=state.step,
         total=args.steps,
     )
-    for i in progress:
-        queries, documents = data.rows(state.order.next())
-        tick = time.perf_counter()
-        state.params, state.opt_state, loss = compiled_step(
-            state.params, state.opt_state, queries, documents, jax.random.fold_in(state.key, i)
-        )
-        loss = float(loss)  # waits for the step
-        seconds = time.perf_counter() - tick
-        state.step = i + 1
-        temperature = math.exp(float(state.params["log_temperature"]))
-        record = {
-            "kind": "train",
-            "step": state.step,
-            "loss": loss,
-            "temperature": temperature,
-            "seconds": seconds,
-        }
-        run_dir.append_metrics(metrics_path, record)
-        progress.set_postfix(loss=f"{loss:.3f}", temperature=f"{temperature:.3f}")
-        if state.step % args.eval_every == 0 or state.step == args.steps:
-            metrics = log_evaluation(evaluate, state, metrics_path)
-            progress.write(f"step {state.step}: held-out {_metrics_line(metrics)}")
-        if state.step % args.save_every == 0 or state.step == stop:
-            save(manager, state)
+    with run_dir.stop_requests() as stop_request:
+        for i in progress:
+            _train_one_step(compiled_step, state, data, i, metrics_path, progress)
+            if state.step % args.eval_every == 0 or state.step == args.steps:
+                metrics = log_evaluation(evaluate, state, metrics_path)
+                progress.write(f"step {state.step}: held-out {_metrics_line(metrics)}")
+            if stop_request.requested or state.step % args.save_every == 0 or state.step == stop:
+                save(manager, state)
+            if stop_request.requested:
+                progress.write(
+                    f"{stop_request.signal_name}: stopped after step {state.step}, checkpoint "
+                    f"saved; rerun with --checkpoint-dir {args.checkpoint_dir} to go on"
+                )
+                break
     progress.close()
     return state
+
+
+def _train_one_step(compiled_step, state: TrainState, data, i: int, metrics_path, progress):
+    """Runs step ``i`` on ``state`` (in place) and appends its ``"train"`` record."""
+    queries, documents = data.rows(state.order.next())
+    tick = time.perf_counter()
+    state.params, state.opt_state, loss = compiled_step(
+        state.params, state.opt_state, queries, documents, jax.random.fold_in(state.key, i)
+    )
+    loss = float(loss)  # waits for the step
+    seconds = time.perf_counter() - tick
+    state.step = i + 1
+    temperature = math.exp(float(state.params["log_temperature"]))
+    record = {
+        "kind": "train",
+        "step": state.step,
+        "loss": loss,
+        "temperature": temperature,
+        "seconds": seconds,
+    }
+    run_dir.append_metrics(metrics_path, record)
+    progress.set_postfix(loss=f"{loss:.3f}", temperature=f"{temperature:.3f}")
 
 
 def log_evaluation(evaluate, state: TrainState, metrics_path: Path) -> dict[str, float]:
