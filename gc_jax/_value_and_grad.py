@@ -199,17 +199,20 @@ def cached_value_and_grad(
         dtype, which loses nothing (the loss sees exactly what it would see in
         full-batch training) and keeps a bfloat16 encoder's batch-sized memory at
         half of float32. A narrower dtype saves memory at the cost of rounding the
-        representations; a wider one only costs memory.
+        representations; a wider one only costs memory. It must be a real float
+        dtype (a ``TypeError`` otherwise).
 
     Returns:
       ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``
       (or ``((loss, aux), grads)``). ``loss_scale`` multiplies the loss gradient
       before pass 2 and divides the result after (float16 loss scaling); the
-      returned gradients are unscaled. Chunk ``c`` of input ``i`` is encoded with key
-      ``fold_in(fold_in(rng, i), c)`` in both passes (``None`` if ``rng`` is None),
-      so dropout is replayed exactly; under ``axis_name`` the device index is folded
-      into ``rng`` first, so devices draw different masks. ``grads`` has the
-      structure of ``params``.
+      returned gradients are unscaled. A traced ``loss_scale`` that turns out not
+      finite and positive gives a NaN loss and NaN gradients. ``params`` may hold
+      integer leaves: their gradient is zeros of their dtype. Chunk ``c`` of input
+      ``i`` is encoded with key ``fold_in(fold_in(rng, i), c)`` in both passes
+      (``None`` if ``rng`` is None), so dropout is replayed exactly; under
+      ``axis_name`` the device index is folded into ``rng`` first, so devices draw
+      different masks. ``grads`` has the structure of ``params``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gc_jax
