@@ -5,6 +5,7 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -64,6 +65,27 @@ def test_cached_matches_vjp(with_key, jit):
     chex.assert_trees_all_close(
         jax.jit(lambda b, g: b(g))(backward, rep_grad), vjp(rep_grad)[0], **TOL
     )
+
+
+def test_cached_integer_outputs_and_params_get_no_gradient():
+    """As in every other form (the same passes): ids pass through, integer params get float0."""
+    params = {**init(), "n": jnp.array(2, jnp.int32)}
+
+    def with_ids(p, c, key):
+        reps = encode(p, c, key) * p["n"]
+        return {"emb": reps, "ids": jnp.argmax(reps, axis=1)}
+
+    chunk, key = batch(2, 6), jax.random.key(4)
+    reps, backward = jax.jit(cached(with_ids))(params, chunk, key)
+    ref, vjp = jax.vjp(lambda p: with_ids(p, chunk, key), params)
+    chex.assert_trees_all_close(reps, ref, **TOL)
+    g = jax.random.normal(jax.random.key(5), reps["emb"].shape)
+    got = backward({"emb": g, "ids": jnp.zeros_like(reps["ids"])})
+    want = vjp({"emb": g, "ids": np.zeros(reps["ids"].shape, jax.dtypes.float0)})[0]
+    chex.assert_trees_all_close(
+        {k: got[k] for k in ("w1", "w2")}, {k: want[k] for k in ("w1", "w2")}, **TOL
+    )
+    assert got["n"].dtype == want["n"].dtype == jax.dtypes.float0
 
 
 def test_forward_keeps_no_activations(monkeypatch):
