@@ -26,7 +26,9 @@ import gzip
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +214,43 @@ def append_metrics(path: Path, record: dict[str, Any]) -> None:
 def records_of(records: Iterable[dict[str, Any]], kind: str) -> Iterator[dict[str, Any]]:
     """The records of one kind: ``"train"``, ``"eval"`` or ``"compile"``."""
     return (r for r in records if r["kind"] == kind)
+
+
+@dataclasses.dataclass
+class StopRequest:
+    """Set by :func:`stop_requests` when Ctrl-C (SIGINT) or SIGTERM arrives."""
+
+    signal_name: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+@contextmanager
+def stop_requests() -> Iterator[StopRequest]:
+    """Turns the first Ctrl-C or SIGTERM into a request to stop after the current step.
+
+    The training loop then checkpoints and returns, so an interrupted run keeps every
+    finished step. A second signal stops at once (the default behaviour comes back).
+    Only in the main thread (signal handlers can be set nowhere else).
+    """
+    request = StopRequest()
+    names = ("SIGINT", "SIGTERM")
+    previous = {}
+
+    def handle(signum, frame):
+        request.signal_name = signal.Signals(signum).name
+        for name, handler in previous.items():  # a second signal is not deferred
+            signal.signal(getattr(signal, name), handler)
+
+    try:
+        for name in names:
+            previous[name] = signal.signal(getattr(signal, name), handle)
+    except ValueError:  # not the main thread: no handlers, nothing deferred
+        previous.clear()
+    try:
+        yield request
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)

@@ -13,10 +13,8 @@ from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
 from gc_jax._grad_cache import GradCache
-from gc_jax._train_step import (
-    DynamicLossScale,
-    make_train_step,
-)
+from gc_jax._loss_scale import DynamicLossScale
+from gc_jax._train_step import make_train_step
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _passes, _validation
+from gc_jax import _chunking, _distributed, _passes, _validation
 from gc_jax._base import PyTree
 
 
@@ -69,7 +69,7 @@ def _value(x):
 def _fwd(config: _Config, params, batch, key):
     is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
     leaves = jax.tree.leaves(batch, is_leaf=is_primal)
-    wrt = tuple(bool(x.perturbed) and _passes.is_float(x.value) for x in leaves)
+    wrt = tuple(bool(x.perturbed) and _passes.is_inexact(x.value) for x in leaves)
     params, batch, key = jax.tree.map(_value, (params, batch, key), is_leaf=is_primal)
     reps = _passes.forward(_input(config, batch, key, wrt), params)[0]
     return reps, (params, batch, key, _Static(wrt))
@@ -90,15 +90,51 @@ def _bwd(config: _Config, residuals, ct):
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
-    acc = jax.tree.map(lambda p: jnp.zeros_like(p, _passes.wide(p.dtype)), params)
-    acc, (batch_grads,) = _passes.backward([inp], params, [ct], acc)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
+    acc, (batch_grads,) = _passes.backward([inp], params, [ct], _passes.grad_buffer(params))
+    grads = _passes.param_grads(acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates
     batch_grads = [next(it) if w else None for w in wrt.value]
     return grads, jax.tree.structure(batch).unflatten(batch_grads), None
 
 
 _encode_batch.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Config, PyTree]:
+    """``(config, params)`` with what ``encode`` closes over and is differentiated made explicit.
+
+    An encoder built inside the differentiated function (``lambda _, x, key: f(w, x)``
+    in ``loss(w)``) closes over ``w``'s tracer, which a ``custom_vjp`` cannot see.
+    ``jax.closure_convert`` (once per chunk shape: the full chunks and the last one)
+    turns such values into arguments; they are passed along with ``params`` and get
+    their gradient like them. Closed-over values that are only staged (``jit``) stay
+    closed over, as before.
+    """
+    plan = _input(config, batch, key).plan
+    chunks = {None} | ({0} if plan.num_body else set())
+    converted = {}
+    for c in chunks:
+        chunk = jax.eval_shape(lambda b, c=c: _chunking.take(b, plan, c), batch)
+        call = lambda p, x, k: _validation.call_encoder(config.encode, p, x, k, "encode")
+        fn, consts = jax.closure_convert(call, params, chunk, key)
+        converted[_chunking.rows_of(plan, c) * plan.num_shards] = (fn, consts)
+    staged = type(jnp.zeros(()))  # a value merely staged out here (jit), or a plain array
+    consts = [cs for _, cs in converted.values()]
+    if not any(not isinstance(x, staged) for cs in consts for x in cs):
+        return config, params
+    if any(len(cs) != len(consts[0]) or any(a is not b for a, b in zip(cs, consts[0], strict=True))
+           for cs in consts):  # fmt: skip
+        raise ValueError(
+            "encode closes over differentiated values, and not the same ones for the full "
+            "chunks and the last chunk; pass them as encode's first argument instead: "
+            "chunked_encoder(lambda params, x, key: ..., chunk_size)(params, batch)."
+        )
+
+    def encode(explicit, chunk, key):
+        fn, _ = converted[_validation.leading_size(chunk, "chunk")]
+        return fn(explicit[0], chunk, key, *explicit[1])
+
+    return dataclasses.replace(config, encode=encode), (params, list(consts[0]))
 
 
 def chunked_encoder(
@@ -169,6 +205,7 @@ def chunked_encoder(
         # Inside shard_map, parameters used with per-device rows are cast to vary
         # first: their gradient is then summed over devices by the cast's transpose.
         params = _distributed.to_varying(params, _distributed.varying_axes_of(batch) or None)
-        return _encode_batch(config, params, batch, key)
+        hoisted, params = _hoisted(config, params, batch, key)
+        return _encode_batch(hoisted, params, batch, key)
 
     return encode_batch

@@ -118,8 +118,11 @@ def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None 
     return jax.tree.map(one, buffer, chunk)
 
 
-def chunk_key(rng: jax.Array | None, input_index: int, chunk_index) -> jax.Array | None:
-    """The key chunk ``chunk_index`` of input ``input_index`` gets, in both passes."""
-    if rng is None:
-        return None
-    return jax.random.fold_in(jax.random.fold_in(rng, input_index), chunk_index)
+def input_key(rng: jax.Array | None, input_index: int) -> jax.Array | None:
+    """The key of input ``input_index``'s chunks: ``fold_in(rng, input_index)``; None stays None."""
+    return None if rng is None else jax.random.fold_in(rng, input_index)
+
+
+def chunk_key(rng: jax.Array | None, chunk_index) -> jax.Array | None:
+    """The key chunk ``chunk_index`` of an input with key ``rng`` gets, in both passes."""
+    return None if rng is None else jax.random.fold_in(rng, chunk_index)

@@ -215,6 +215,20 @@ def replicated_loss(loss: jax.Array, axis_name: AxisName | None) -> jax.Array:
     return jax.lax.pmean(loss, varying) if varying else loss
 
 
+def untyped_manual_axes(axis_name: AxisName | None) -> tuple:
+    """Manual axes bound here (``pmap``, ``shard_map``) outside ``axis_name`` whose values
+    carry no varying type (``pmap``, ``shard_map(check_vma=False)``).
+
+    Over such an axis JAX cannot tell whether the batch is split; under
+    ``check_vma=True`` an axis's own index is typed as varying over it.
+    """
+    named = set(_names(axis_name))
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    return tuple(
+        a for a in manual if a not in named and a not in varying_axes(jax.lax.axis_index(a))
+    )
+
+
 def _names(axis_name: AxisName | None) -> tuple:
     if axis_name is None:
         return ()

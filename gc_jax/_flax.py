@@ -17,7 +17,9 @@ from typing import Any
 import jax
 from flax import errors as flax_errors
 from flax import linen, nnx
+from flax.nnx import graphlib
 
+from gc_jax import _validation
 from gc_jax._base import PyTree
 
 _PER_CHUNK_STATISTICS = (
@@ -159,6 +161,18 @@ def linen_encoder(
             return get_rep(call_with_chunk(fn, chunk))
         except (flax_errors.ModifyScopeVariableError, flax_errors.ScopeCollectionNotFound) as e:
             raise _linen_error(e, module, given) from e
+        except flax_errors.ApplyScopeInvalidVariablesStructureError as e:
+            raise ValueError(
+                f"linen_encoder({type(module).__name__}) got a whole Linen variables dict as "
+                f"params (a 'params' collection inside params: {sorted(params)}). The "
+                "encoder's params are the 'params' collection only: pass "
+                "variables['params'] (or TrainState.params), and the other collections "
+                "with linen_encoder(..., extra_variables={'batch_stats': ...})."
+            ) from e
+        except flax_errors.InvalidRngError as e:
+            if key is not None:
+                raise
+            raise _validation.missing_key(f"linen_encoder({type(module).__name__})", e) from e
 
     return encode
 
@@ -264,3 +278,30 @@ def nnx_encoder(
         return call_nnx(module, method, chunk, key, get_rep)
 
     return encode
+
+
+# --- reading an enclosing NNX transform's bookkeeping (used by GradCache) ---
+
+
+def update_contexts() -> list[Any]:
+    """The active NNX transforms' maps from outer graph nodes to traced ones."""
+    try:
+        stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+        return [ctx for stack in stacks.values() for ctx in reversed(stack)]
+    except AttributeError:  # another Flax version: no mapping (GradCache then asks for params=)
+        return []
+
+
+def traced_copy(variable: Any, contexts: list[Any]) -> Any:
+    """The variable an enclosing NNX transform traces in place of ``variable``."""
+    for _ in range(len(contexts)):  # nested transforms: follow the chain inwards
+        for ctx in contexts:
+            outer = getattr(ctx, "outer_ref_outer_index", None)
+            inner = getattr(ctx, "outer_index_inner_ref", None)
+            index = None if outer is None or inner is None else outer.get(variable)
+            if index is not None and index in inner and inner[index] is not variable:
+                variable = inner[index]
+                break
+        else:
+            return variable
+    return variable

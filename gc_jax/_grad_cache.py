@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
 
 from gc_jax import _flax, _validation, _value_and_grad
 from gc_jax._base import PyTree
@@ -52,30 +51,6 @@ def _partition(loss_kwargs: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
                 f"(static), got {type(v).__name__}."
             ) from None
     return dyn, static
-
-
-def _update_contexts() -> list[Any]:
-    """The active NNX transforms' maps from outer graph nodes to traced ones."""
-    try:
-        stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
-        return [ctx for stack in stacks.values() for ctx in reversed(stack)]
-    except AttributeError:  # another Flax version: no mapping, the check below raises
-        return []
-
-
-def _traced_copy(variable: Any, contexts: list[Any]) -> Any:
-    """The variable an enclosing NNX transform traces in place of ``variable``."""
-    for _ in range(len(contexts)):  # nested transforms: follow the chain inwards
-        for ctx in contexts:
-            outer = getattr(ctx, "outer_ref_outer_index", None)
-            inner = getattr(ctx, "outer_index_inner_ref", None)
-            index = None if outer is None or inner is None else outer.get(variable)
-            if index is not None and index in inner and inner[index] is not variable:
-                variable = inner[index]
-                break
-        else:
-            return variable
-    return variable
 
 
 def _is_traced(tree: PyTree) -> bool:
@@ -204,17 +179,9 @@ class GradCache:
         for i, m in enumerate(self.models):
             if not isinstance(m, nnx.Module):
                 raise TypeError(f"models[{i}] must be an nnx.Module, got {type(m).__name__}.")
-        n = len(self.models)
-        if isinstance(chunk_sizes, Sequence) and not isinstance(chunk_sizes, str):
-            if len(chunk_sizes) != n:
-                raise ValueError(
-                    f"chunk_sizes has {len(chunk_sizes)} entries for {n} models; "
-                    "pass one int for all models or exactly one per model."
-                )
-            names = [f"chunk_sizes[{i}]" for i in range(n)]
-        else:
-            chunk_sizes, names = [chunk_sizes] * n, ["chunk_sizes"] * n
-        self.chunk_sizes = tuple(map(_validation.positive_int, chunk_sizes, names))
+        self.chunk_sizes = _validation.per_input(
+            chunk_sizes, len(self.models), "chunk_sizes", _validation.positive_int, what="models"
+        )
         self.loss_fn = _validation.callable_arg(loss_fn, "loss_fn")
         for name, fn in (("split_input_fn", split_input_fn), ("get_rep_fn", get_rep_fn)):
             if fn is not None:
@@ -266,9 +233,9 @@ class GradCache:
         Inside an NNX transform, each variable is replaced by its traced copy.
         """
         graphdef, params, rest = nnx.split(self._unique, nnx.Param, ...)
-        contexts = _update_contexts()
+        contexts = _flax.update_contexts()
         if contexts:
-            traced = lambda _, v: _traced_copy(v, contexts)
+            traced = lambda _, v: _flax.traced_copy(v, contexts)
             # If Flax internals changed, there is no mapping, and _check_not_constant
             # raises where one was needed.
             with contextlib.suppress(AttributeError, KeyError, TypeError):

@@ -51,7 +51,8 @@ class Input(NamedTuple):
     name: str = "encoder"
 
 
-def is_float(x: Any) -> bool:
+def is_inexact(x: Any) -> bool:
+    """Whether ``x`` is floating point or complex: a leaf JAX differentiates."""
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
@@ -84,9 +85,7 @@ def _full_tail(plan: _chunking.ChunkPlan) -> bool:
 
 
 def _key(inp: Input, c) -> jax.Array | None:
-    if inp.rng is None:
-        return None
-    return jax.random.fold_in(inp.rng, inp.plan.num_body if c is None else c)
+    return _chunking.chunk_key(inp.rng, inp.plan.num_body if c is None else c)
 
 
 def _differentiated(tree: PyTree, wrt: tuple[bool, ...]) -> list:
@@ -113,7 +112,7 @@ def _encoder(inp: Input, c, remat: bool = False) -> Callable[[PyTree, list], PyT
         chunk = _chunking.take(inp.batch, inp.plan, c)
         if any(inp.wrt):
             chunk = _replace(chunk, inp.wrt, diff)
-        reps = encode(params, chunk, _key(inp, c))
+        reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
         _validation.rows(reps, inp.plan.num_shards * _chunking.rows_of(inp.plan, c), inp.name)
         return reps
 
@@ -137,7 +136,7 @@ def output_shapes(inp: Input, params: PyTree) -> PyTree:
 
 def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
     def one(r):
-        dtype = cache_dtype if cache_dtype is not None and is_float(r) else r.dtype
+        dtype = cache_dtype if cache_dtype is not None and is_inexact(r) else r.dtype
         return jax.ShapeDtypeStruct(r.shape, dtype)
 
     return jax.tree.map(one, shapes)
@@ -184,7 +183,7 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
     rows = plan.num_shards * _chunking.rows_of(plan, c)
 
     def one(g, r):
-        if not is_float(r):  # integer/boolean outputs: a float0 zero cotangent
+        if not is_inexact(r):  # integer/boolean outputs: a float0 zero cotangent
             return np.zeros((rows, *r.shape[1:]), jax.dtypes.float0)
         return _chunking.take(g, plan, c).astype(r.dtype)
 
@@ -192,7 +191,23 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
 
 
 def _add(acc: PyTree, grads: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    """``acc + grads``; integer leaves (a float0 gradient) get none, as in JAX."""
+    add = lambda a, g: a if g.dtype == jax.dtypes.float0 else a + g.astype(a.dtype)
+    return jax.tree.map(add, acc, grads)
+
+
+def grad_buffer(params: PyTree) -> PyTree:
+    """Zeros to accumulate the parameter gradients in (narrow floats widened)."""
+    return jax.tree.map(lambda p: jnp.zeros_like(p, wide(p.dtype)), params)
+
+
+def param_grads(acc: PyTree, params: PyTree) -> PyTree:
+    """Accumulated gradients in the parameters' dtypes; integer leaves: float0, as ``jax.vjp``."""
+
+    def one(g, p):
+        return g.astype(p.dtype) if is_inexact(p) else np.zeros(p.shape, jax.dtypes.float0)
+
+    return jax.tree.map(one, acc, params)
 
 
 def input_grad_buffer(inp: Input) -> list:

@@ -20,151 +20,18 @@ optimizer update is elementwise and cheap next to the two encoder passes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.training import train_state as flax_train_state
-from jax.experimental import checkify
 
-from gc_jax import _validation
-from gc_jax._base import PyTree
+from gc_jax import _loss_scale, _validation
+from gc_jax._loss_scale import DynamicLossScale
 from gc_jax._value_and_grad import cached_value_and_grad
 
 TrainState = flax_train_state.TrainState
-
-# The floor of a dynamic loss scale. Non-finite gradients at this scale are not an
-# overflow that backing off could fix, so the opt-in finite check reports them.
-MIN_LOSS_SCALE = 1.0
-
-
-class DynamicLossScale(NamedTuple):
-    """State of dynamic loss scaling: the current scale and the finite-step streak.
-
-    The policy is the usual one (PyTorch's ``GradScaler``, Flax's ``DynamicScale``):
-    a step whose loss or gradients are not finite is skipped and the scale is
-    multiplied by ``backoff_factor`` (halved, but not below ``min_scale``); after
-    ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``
-    (doubled). Only the scale and the streak are state (a pytree of two scalars);
-    the policy's constants are arguments of :meth:`update`.
-
-    Attributes:
-      scale: float32 scalar multiplying the loss gradient before the backward pass.
-      good_steps: int32 scalar, finite steps since the scale last changed.
-
-    Examples:
-      >>> from gc_jax import DynamicLossScale
-      >>> s = DynamicLossScale.create(1024.0)
-      >>> float(s.update(False).scale), float(s.update(True, growth_interval=1).scale)
-      (512.0, 2048.0)
-    """
-
-    scale: jax.Array
-    good_steps: jax.Array
-
-    @classmethod
-    def create(cls, scale: float = 2.0**15) -> DynamicLossScale:
-        """The initial state: ``scale`` (default ``2**15``) and no finite steps yet."""
-        return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
-
-    def update(
-        self,
-        finite: jax.Array | bool,
-        *,
-        growth_interval: int = 2000,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        min_scale: float = MIN_LOSS_SCALE,
-    ) -> DynamicLossScale:
-        """The state after a step whose loss and gradients were ``finite`` (or not)."""
-        scale = jnp.asarray(self.scale, jnp.float32)
-        good = jnp.where(finite, jnp.asarray(self.good_steps, jnp.int32) + 1, 0)
-        grow = good >= growth_interval
-        grown = jnp.minimum(scale * growth_factor, jnp.finfo(jnp.float32).max)
-        backed_off = jnp.maximum(scale * backoff_factor, min_scale)
-        new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
-        return DynamicLossScale(
-            new_scale.astype(jnp.float32), jnp.where(grow, 0, good).astype(jnp.int32)
-        )
-
-
-def all_finite(loss: jax.Array, grads: PyTree) -> jax.Array:
-    """True iff ``loss`` and every floating-point leaf of ``grads`` are finite."""
-    finite = jnp.all(jnp.isfinite(loss))
-    for g in jax.tree.leaves(grads):
-        if jnp.issubdtype(g.dtype, jnp.inexact):
-            finite = finite & jnp.all(jnp.isfinite(g))
-    return finite
-
-
-def _grad_leaves(grads: PyTree) -> list[tuple[str, jax.Array]]:
-    return [
-        (f"grads{jax.tree_util.keystr(path)}", g)
-        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
-        if jnp.issubdtype(g.dtype, jnp.inexact)
-    ]
-
-
-def _nonfinite_message(loss: Any, grads_checked: Any, named_counts: list) -> str:
-    """The message of the finite check, from concrete values (host side)."""
-    bad = [(n, c, size) for n, c, size in named_counts if c] if bool(grads_checked) else []
-    listing = ", ".join(f"{n} ({c} of {size} entries)" for n, c, size in bad)
-    if np.all(np.isfinite(loss)):
-        what = f"the loss is finite ({loss}) but gradients are not: {listing}"
-    elif bad:
-        what = f"the loss is {loss}, and gradients are not finite: {listing}"
-    else:
-        what = f"the loss is {loss} (the gradients are finite)"
-    return f"gc_jax train step produced non-finite values: {what}."
-
-
-def _check_finite(mode, loss, grads, grads_checked) -> None:
-    """Emits the opt-in finite check (``mode`` is ``"debug"`` or ``"checkify"``)."""
-    leaves = _grad_leaves(grads)
-    counts = [jnp.sum(~jnp.isfinite(g)) for _, g in leaves]
-    if mode == "checkify":
-        listing = ", ".join(n.replace("{", "{{").replace("}", "}}") + ": {}" for n, _ in leaves)
-        ok = jnp.all(jnp.isfinite(loss)) & ~(grads_checked & (sum(counts, 0) > 0))
-        checkify.check(
-            ok,
-            "gc_jax train step produced non-finite values: loss = {}; gradients checked: {}; "
-            "non-finite entries per gradient: " + listing,
-            loss,
-            grads_checked,
-            *counts,
-        )
-        return
-    names = [n for n, _ in leaves]
-    sizes = [g.size for _, g in leaves]
-
-    def raise_if_bad(loss, grads_checked, *counts):
-        named = list(zip(names, (int(c) for c in counts), sizes, strict=True))
-        loss_bad = not np.all(np.isfinite(loss))
-        if loss_bad or (bool(grads_checked) and any(c for _, c, _ in named)):
-            raise FloatingPointError(_nonfinite_message(loss, grads_checked, named))
-
-    jax.debug.callback(raise_if_bad, loss, grads_checked, *counts)
-
-
-def _check_loss_scale(loss_scale: Any) -> Any:
-    if loss_scale is None:
-        return None
-    if isinstance(loss_scale, str):
-        if loss_scale != "dynamic":
-            raise ValueError(
-                f"loss_scale must be None, a positive number or 'dynamic', got {loss_scale!r}."
-            )
-        return loss_scale
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float | np.number):
-        raise TypeError(
-            "loss_scale must be None, a positive number (a static scale) or 'dynamic', "
-            f"got {loss_scale!r} ({type(loss_scale).__name__})."
-        )
-    if not np.isfinite(loss_scale) or loss_scale <= 0:
-        raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale}.")
-    return float(loss_scale)
 
 
 def _state_error(expected: str, state: Any) -> TypeError:
@@ -323,7 +190,9 @@ def _metrics(loss, aux, grads, finite, has_aux, scale) -> dict[str, Any]:
 
 def _check_settings(loss_scale, skip_nonfinite, growth_interval, check_finite):
     """Validated ``(loss_scale, growth_interval, check mode or False)``."""
-    loss_scale = _check_loss_scale(loss_scale)
+    loss_scale = _loss_scale.check_loss_scale(loss_scale, allow_dynamic=True)
+    if loss_scale is not None and loss_scale != "dynamic":
+        loss_scale = float(loss_scale)
     if loss_scale == "dynamic" and not skip_nonfinite:
         raise ValueError(
             "loss_scale='dynamic' needs skip_nonfinite=True: an overflowing step must be "
@@ -402,8 +271,8 @@ def make_train_step(
         dynamic loss scaling, overflowing gradients are expected and handled by
         backing off, so they raise only once the scale is down to its minimum (1);
         a non-finite loss always raises.
-      cache_dtype: dtype of the cached representations (default: the encoder's,
-        widened to at least float32).
+      cache_dtype: dtype of the cached (float) representations (default: the
+        encoder's own output dtype; see ``cached_value_and_grad``).
 
     Returns:
       ``train_step(state, *inputs, rng=None, **loss_kwargs) -> (state, metrics)``,
@@ -489,10 +358,10 @@ def make_train_step(
         scale = scale_state.scale if dynamic else loss_scale
         out, grads = grad_fn(params, *inputs, rng=rng, loss_scale=scale, **loss_kwargs)
         loss, aux = out if has_aux else (out, None)
-        finite = all_finite(loss, grads)
+        finite = _loss_scale.all_finite(loss, grads)
         if check_mode:
-            grads_checked = scale_state.scale <= MIN_LOSS_SCALE if dynamic else jnp.array(True)
-            _check_finite(check_mode, loss, grads, grads_checked)
+            dynamic_scale = scale_state.scale if dynamic else None
+            _loss_scale.check_finite(check_mode, loss, grads, dynamic_scale)
 
         value_fn = _value_fn(grad_fn, has_aux, inputs, rng, scale, loss_kwargs)
         extra = {"value": loss, "grad": grads, "value_fn": value_fn}

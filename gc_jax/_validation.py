@@ -24,29 +24,52 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str], Any]) -> tuple:
-    """Broadcasts a single setting to every input, or checks a per-input sequence."""
+def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str], Any], *,
+              what: str = "inputs") -> tuple:  # fmt: skip
+    """Broadcasts a single setting to every input, or checks a per-input sequence.
+
+    ``what`` names the inputs in messages (e.g. ``"models"``).
+    """
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != num_inputs:
             raise ValueError(
-                f"{name} has {len(value)} entries but {num_inputs} inputs were given; "
-                f"pass one {name} for all inputs or exactly one per input."
+                f"{name} has {len(value)} entries for {num_inputs} {what}; "
+                f"pass one {name} for all {what} or exactly one per {what[:-1]}."
             )
         return tuple(check(v, f"{name}[{i}]") for i, v in enumerate(value))
     return (check(value, name),) * num_inputs
 
 
-def chunk_sizes(value: Any) -> None:
-    """Checks ``chunk_size`` (one positive int, or a sequence of them) up front."""
+def chunk_sizes(value: Any) -> int | tuple[int, ...]:
+    """``chunk_size`` checked once, up front: one positive int, or a tuple of them."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         if not value:
             raise ValueError(
                 "chunk_size is an empty sequence; expected one positive int per input."
             )
-        for i, v in enumerate(value):
-            positive_int(v, f"chunk_size[{i}]")
-    else:
-        positive_int(value, "chunk_size")
+        return tuple(positive_int(v, f"chunk_size[{i}]") for i, v in enumerate(value))
+    return positive_int(value, "chunk_size")
+
+
+def float_dtype(value: Any, name: str) -> Any:
+    """``value`` as a real floating-point dtype, or None; otherwise raises naming ``name``."""
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a floating-point dtype (e.g. jnp.bfloat16) or None, got {value!r}."
+        ) from None
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        raise TypeError(
+            f"{name} must be a real floating-point dtype such as jnp.float32 or jnp.bfloat16 "
+            f"(or None: the encoder's own dtype), got {dtype}: the cached representations "
+            "are what the loss is differentiated against, and a "
+            f"{'complex' if dtype.kind == 'c' else 'non-float'} cache would change them. "
+            f"Write {name}=jnp.bfloat16 (half the memory) or leave it out."
+        )
+    return dtype
 
 
 def callable_arg(value: Any, name: str) -> Callable:
@@ -199,3 +222,24 @@ def rng_key(rng: Any, name: str = "rng") -> None:
             f"default PRNG implementation have shape {tuple(raw)}; pass jax.random.key(seed) "
             "(a typed key) or jax.random.PRNGKey(seed)."
         )
+
+
+def missing_key(name: str, error: Exception) -> TypeError:
+    """The error for an encoder that draws random numbers (dropout) but got no key."""
+    return TypeError(
+        f"{name} draws random numbers (e.g. dropout) but got key=None ({error}). Pass a "
+        "key: rng=jax.random.key(seed) to the gc_jax step (cached_value_and_grad's "
+        "function, make_train_step's train_step, GradCache), or encode_batch(params, "
+        "batch, key) for chunked_encoder; or run the encoder deterministically when its "
+        "key is None."
+    )
+
+
+def call_encoder(encode: Callable, params: PyTree, chunk: PyTree, key: Any, name: str) -> PyTree:
+    """``encode(params, chunk, key)``; a missing key is named (see :func:`missing_key`)."""
+    try:
+        return encode(params, chunk, key)
+    except TypeError as e:
+        if key is not None or "PRNG key" not in str(e):
+            raise
+        raise missing_key(name, e) from e

@@ -22,15 +22,15 @@ nothing re-encoded.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gc_jax import _distributed, _passes, _validation
+from gc_jax import _chunking, _distributed, _loss_scale, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
@@ -52,15 +52,66 @@ def _check_loss_keywords(loss_fn: Callable[..., Any]) -> None:
             )
 
 
-def _check_loss_scale(loss_scale: Any) -> None:
-    if loss_scale is None or isinstance(loss_scale, jax.core.Tracer):
-        return
-    value = np.asarray(loss_scale)
-    if value.shape != () or not (bool(np.isfinite(value)) and float(value) > 0):
+def _check_named_axes(axis_name: Any) -> None:
+    """Raises inside ``pmap``/``shard_map(check_vma=False)`` over an axis not in ``axis_name``.
+
+    There the values carry no varying type, so gc_jax cannot see whether the batch
+    is split over the axis; if it is, each device would silently train on its own
+    rows' negatives. (With ``check_vma=True`` the inputs' types say it, and
+    ``_distributed.check_loss_axes`` decides.)
+    """
+    untyped = _distributed.untyped_manual_axes(axis_name)
+    if untyped:
+        fix = untyped[0] if len(untyped) == 1 else untyped
         raise ValueError(
-            f"loss_scale must be a finite positive scalar (or None), got {loss_scale!r}: "
-            "the gradients are divided by it."
+            f"cached_value_and_grad runs inside pmap or shard_map(check_vma=False) over "
+            f"mesh axes {list(untyped)} that axis_name={axis_name!r} does not name. If the "
+            "batch is split over them, each device would train on its own rows' negatives "
+            "only: a wrong loss and gradient, silently. Pass axis_name="
+            f"{fix!r} here and to the loss (e.g. gc_jax.losses.contrastive_loss(q, d, "
+            f"axis_name={fix!r})). If every device holds the whole batch (e.g. a "
+            "model-parallel axis), use jax.shard_map with check_vma=True (the default), "
+            "where gc_jax reads that from the inputs' types."
         )
+
+
+def _check_differentiable(cache: PyTree, inp: _passes.Input, i: int) -> None:
+    """Raises if input ``i``'s encoder returns no floating-point output at all."""
+    leaves = jax.tree.leaves(cache)
+    if not any(_passes.is_inexact(x) for x in leaves):
+        dtypes = sorted({str(x.dtype) for x in leaves})
+        raise ValueError(
+            f"{inp.name} returns no floating-point output for inputs[{i}] (dtypes {dtypes}), "
+            "so there is nothing to differentiate: the loss would see only integers and "
+            "every gradient would be zero. Return the float representations (embeddings) "
+            "from the encoder; pass integer data the loss needs (ids, labels, masks) as a "
+            "loss keyword argument, or next to a float output."
+        )
+
+
+def _check_loss_call(loss_fn: Callable[..., Any], num_inputs: int, kwargs: dict) -> None:
+    """Raises if ``loss_fn`` cannot be called as ``loss_fn(params, *reps, **kwargs)``."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return
+    try:
+        signature.bind(None, *[None] * num_inputs, **kwargs)
+        return
+    except TypeError as e:
+        error = e
+    hint = ""
+    with contextlib.suppress(TypeError):
+        signature.bind(*[None] * num_inputs, **kwargs)
+        hint = (
+            " It takes the representations alone, but params come first: write "
+            "loss_fn=lambda params, *reps: your_loss(*reps), or give it a params argument."
+        )
+    raise TypeError(
+        f"loss_fn{signature} is called as loss_fn(params, *reps, **loss_kwargs) with "
+        f"{num_inputs} representation(s) and keywords {sorted(kwargs)}, and cannot be "
+        f"({error}).{hint}"
+    )
 
 
 def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder, ...]:
@@ -74,10 +125,10 @@ def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder,
     return _validation.callable_arg(encoders, "encoders")
 
 
-def _split_float(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
+def _split_inexact(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
     """The float leaves of ``tree`` and a function putting new ones back in their place."""
     leaves, treedef = jax.tree.flatten(tree)
-    mask = [_passes.is_float(x) for x in leaves]
+    mask = [_passes.is_inexact(x) for x in leaves]
 
     def join(floats):
         it = iter(floats)
@@ -93,17 +144,22 @@ def _loss_and_rep_grads(loss_fn, has_aux, params, reps, scale, axis_name, inputs
     cotangents where they are made) with respect to the float leaves of ``reps``;
     integer or boolean outputs (ids, masks) are passed to the loss as they are.
     """
-    floats, join = _split_float(reps)
+    floats, join = _split_inexact(reps)
+    p_floats, p_join = _split_inexact(params)
 
-    def loss_of(p, floats):
-        loss, aux = _validation.scalar_loss(loss_fn(p, *join(floats), **kwargs), has_aux)
+    def loss_of(p_floats, floats):
+        out = loss_fn(p_join(p_floats), *join(floats), **kwargs)
+        loss, aux = _validation.scalar_loss(out, has_aux)
         scaled = loss if scale is None else loss * jnp.asarray(scale, loss.dtype)
         return scaled, (loss, aux)
 
-    loss_axes = _distributed.collective_axes(jax.make_jaxpr(loss_of)(params, floats))
+    loss_axes = _distributed.collective_axes(jax.make_jaxpr(loss_of)(p_floats, floats))
     _distributed.check_loss_axes(loss_axes, axis_name, _distributed.varying_axes_of(inputs))
     grad_fn = jax.value_and_grad(loss_of, (0, 1), has_aux=True)
-    (_, (loss, aux)), (acc, rep_floats) = grad_fn(params, floats)
+    (_, (loss, aux)), (acc, rep_floats) = grad_fn(p_floats, floats)
+    # Integer leaves of params get no gradient: zeros of their dtype, which optimizers
+    # add to them harmlessly (``jax.grad(allow_int=True)`` would give float0).
+    acc = _split_inexact(jax.tree.map(jnp.zeros_like, params))[1](acc)
     return loss, aux, acc, join(rep_floats)
 
 
@@ -143,17 +199,20 @@ def cached_value_and_grad(
         dtype, which loses nothing (the loss sees exactly what it would see in
         full-batch training) and keeps a bfloat16 encoder's batch-sized memory at
         half of float32. A narrower dtype saves memory at the cost of rounding the
-        representations; a wider one only costs memory.
+        representations; a wider one only costs memory. It must be a real float
+        dtype (a ``TypeError`` otherwise).
 
     Returns:
       ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``
       (or ``((loss, aux), grads)``). ``loss_scale`` multiplies the loss gradient
       before pass 2 and divides the result after (float16 loss scaling); the
-      returned gradients are unscaled. Chunk ``c`` of input ``i`` is encoded with key
-      ``fold_in(fold_in(rng, i), c)`` in both passes (``None`` if ``rng`` is None),
-      so dropout is replayed exactly; under ``axis_name`` the device index is folded
-      into ``rng`` first, so devices draw different masks. ``grads`` has the
-      structure of ``params``.
+      returned gradients are unscaled. A traced ``loss_scale`` that turns out not
+      finite and positive gives a NaN loss and NaN gradients. ``params`` may hold
+      integer leaves: their gradient is zeros of their dtype. Chunk ``c`` of input
+      ``i`` is encoded with key ``fold_in(fold_in(rng, i), c)`` in both passes
+      (``None`` if ``rng`` is None), so dropout is replayed exactly; under
+      ``axis_name`` the device index is folded into ``rng`` first, so devices draw
+      different masks. ``grads`` has the structure of ``params``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gc_jax
@@ -170,7 +229,8 @@ def cached_value_and_grad(
     _validation.callable_arg(loss_fn, "loss_fn")
     _check_loss_keywords(loss_fn)
     encoders = _encoders(encoders)
-    _validation.chunk_sizes(chunk_size)
+    chunk_size = _validation.chunk_sizes(chunk_size)
+    cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
 
     def value_and_grad_fn(
         params: PyTree,
@@ -181,30 +241,32 @@ def cached_value_and_grad(
     ):
         if not inputs:
             raise ValueError("no inputs were given; expected at least one batch to encode.")
+        _check_loss_call(loss_fn, len(inputs), loss_kwargs)
         _validation.axis_bound(axis_name)
         _validation.rng_key(rng)
-        _check_loss_scale(loss_scale)
+        _loss_scale.check_loss_scale(loss_scale)
         if rng is not None and axis_name is not None:  # distinct dropout on every device
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
-        plan = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
-        keep_all, keep_last = _kept_vjps(plan)
+        planned = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
+        keep_all, keep_last = _kept_vjps(planned)
         reps, kept = (), []
-        for i, inp in enumerate(plan):
-            keep = keep_all or (keep_last and i == len(plan) - 1)
+        for i, inp in enumerate(planned):
+            keep = keep_all or (keep_last and i == len(planned) - 1)
             cache, vjp = _passes.forward(
                 inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=reps
             )
+            _check_differentiable(cache, inp, i)
             reps += (cache,)
             kept.append(vjp)
 
         loss, aux, acc, rep_grads = _loss_and_rep_grads(
             loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
         )
+        _check_named_axes(axis_name)  # after the loss's own axis check, which says more
         acc = jax.tree.map(lambda g: g.astype(_passes.wide(g.dtype)), acc)
-        acc, _ = _passes.backward(plan, pparams, list(rep_grads), acc, tail_vjps=kept)
-        if loss_scale is not None:
-            acc = jax.tree.map(lambda g: g / loss_scale, acc)
+        acc, _ = _passes.backward(planned, pparams, list(rep_grads), acc, tail_vjps=kept)
+        loss, acc = _loss_scale.unscale(loss, acc, loss_scale)
         grads = jax.tree.map(
             lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, axis_name), params
         )
@@ -214,7 +276,7 @@ def cached_value_and_grad(
     return value_and_grad_fn
 
 
-def _kept_vjps(plan: list[_passes.Input]) -> tuple[bool, bool]:
+def _kept_vjps(inputs: list[_passes.Input]) -> tuple[bool, bool]:
     """Whether pass 1 keeps every input's VJP, and whether it keeps the last chunk's.
 
     Every VJP is kept when every input is a single chunk: that is plain full-batch
@@ -224,21 +286,21 @@ def _kept_vjps(plan: list[_passes.Input]) -> tuple[bool, bool]:
     encoding with its first (common-subexpression elimination), which keeps the
     chunk's activations from pass 1 next to the kept ones.
     """
-    chunks = sum(inp.plan.num_body + 1 for inp in plan)
-    return chunks == len(plan), chunks >= 3
+    chunks = sum(inp.plan.num_body + 1 for inp in inputs)
+    return chunks == len(inputs), chunks >= 3
 
 
 def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_passes.Input]:
     """One planned :class:`_passes.Input` per batch; input ``i``'s keys fold in ``i`` first."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-    sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+    sizes = _validation.per_input(chunk_size, n, "chunk_size", lambda size, _: size)
     return [
         _passes.make_input(
             e,
             x,
             size,
-            None if rng is None else jax.random.fold_in(rng, i),
+            _chunking.input_key(rng, i),
             name=f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder",
             batch_name=f"inputs[{i}]",
             axis_name=axis_name,

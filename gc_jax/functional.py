@@ -49,13 +49,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _validation
+from gc_jax import _distributed, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
 
+def _input(encode: Encoder, chunk: PyTree, key) -> _passes.Input:
+    """The sub-batch as one chunk of the passes, encoded with the user's own ``key``."""
+    rows = _validation.leading_size(chunk, "chunk")
+    fixed_key = lambda params, x, _: encode(params, x, key)
+    return _passes.make_input(fixed_key, chunk, rows, None, name="encode", batch_name="chunk")
+
+
 def _pullback(encode: Encoder, params: PyTree, chunk: PyTree, key, rep_grad: PyTree) -> PyTree:
-    reps, vjp = jax.vjp(lambda p: encode(p, chunk, key), params)
-    return vjp(jax.tree.map(lambda g, r: jnp.asarray(g, r.dtype), rep_grad, reps))[0]
+    inp = _input(encode, chunk, key)
+    acc, _ = _passes.backward([inp], params, [rep_grad], _passes.grad_buffer(params))
+    return _passes.param_grads(acc, params)
 
 
 def cached(encode: Encoder) -> Callable[..., tuple[PyTree, jax.tree_util.Partial]]:
@@ -71,7 +79,10 @@ def cached(encode: Encoder) -> Callable[..., tuple[PyTree, jax.tree_util.Partial
       again (with the same ``key``, so dropout is replayed) under ``jax.vjp`` and
       returns the gradient with respect to ``params``. ``backward`` is a
       ``jax.tree_util.Partial`` whose leaves are exactly ``params``, ``chunk`` and
-      ``key``, so it can be returned from or passed into ``jax.jit``.
+      ``key``, so it can be returned from or passed into ``jax.jit``. Both run the
+      passes of every other form (``gc_jax._passes``) on the sub-batch as one
+      chunk, encoded with ``key`` itself: integer outputs (ids, masks) get no
+      gradient, integer parameters a ``float0`` one.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -86,7 +97,7 @@ def cached(encode: Encoder) -> Callable[..., tuple[PyTree, jax.tree_util.Partial
 
     @functools.wraps(encode)
     def forward(params: PyTree, chunk: PyTree, key: jax.Array | None = None):
-        reps = encode(params, chunk, key)
+        reps = _passes.forward(_input(encode, chunk, key), params)[0]
         return reps, jax.tree_util.Partial(pull, params, chunk, key)
 
     return forward
@@ -129,14 +140,6 @@ def cat_inputs(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _global(loss: jax.Array, axis_name: Any) -> jax.Array:
-    """The global loss ``loss`` (computed whole on every device) with 1/D of its gradient."""
-    d = jax.lax.axis_size(axis_name)
-    if _distributed.varies_over(loss, axis_name):  # shard_map: psum transposes to pvary
-        return jax.lax.psum(loss / d, axis_name)
-    return loss / d + jax.lax.stop_gradient(loss - loss / d)
-
-
 def gather_inputs(
     axis_name: Any,
     *,
@@ -150,9 +153,10 @@ def gather_inputs(
     batch. Every device then computes the same global loss ``L``. Differentiated
     naively, the transpose of ``all_gather`` (a reduce-scatter) would sum ``D``
     identical contributions into each device's input gradient, so the decorated loss
-    returns the value ``L`` with ``1 / D`` of the gradient: ``psum(L / D)`` under
-    ``shard_map`` (typed as replicated, so it can be returned with ``out_specs=P()``),
-    ``L / D + stop_gradient(L - L / D)`` under ``pmap`` or
+    returns the value ``L`` with ``1 / D`` of the gradient,
+    ``gc_jax.global_loss(L / D, axis_name)``: ``psum(L / D)`` under ``shard_map``
+    (typed as replicated, so it can be returned with ``out_specs=P()``), the same
+    value with the gradient of ``L / D`` under ``pmap`` or
     ``shard_map(check_vma=False)``. Each device's input gradient is then exactly its
     rows of the global gradient, and summing the per-device parameter gradients once
     per step (a ``psum``, as ``gc_jax`` does) gives exactly the global gradient, for
@@ -225,7 +229,7 @@ def gather_inputs(
             kwargs = {k: pick(v, k in argnames) for k, v in kwargs.items()}
             out = loss_fn(*args, **kwargs)
             loss, aux = _validation.scalar_loss(out, has_aux)
-            loss = _global(loss, axis_name)
+            loss = _distributed.global_loss(loss / jax.lax.axis_size(axis_name), axis_name)
             return (loss, aux) if has_aux else loss
 
         return wrapped

@@ -30,7 +30,7 @@ def _full_batch_reps(encode, params, x, chunk_size, rng, index):
         encode(
             params,
             jax.tree.map(lambda v, s=start: v[s : s + chunk_size], x),
-            _chunking.chunk_key(rng, index, c),
+            _chunking.chunk_key(_chunking.input_key(rng, index), c),
         )
         for c, start in enumerate(range(0, batch, chunk_size))
     ]

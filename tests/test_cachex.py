@@ -387,6 +387,12 @@ W = jnp.ones((3, 2))
             ValueError,
             "one representation row",
         ),
+        (  # a [B, d] batch not cut with tree_chunk: f would see one row per "chunk"
+            lambda: cachex.grad_cached(ENC)(W, jnp.ones((8, 3))),
+            ValueError,
+            r"f returned an output with 2 rows for a chunk whose leaves have \[3\] rows\. "
+            r"grad_cached's batch must be pre-chunked.*cachex\.tree_chunk\(batch, n_chunk\)",
+        ),
         (
             lambda: cachex.chunk_encode(lambda **k: k["x"])(x=jnp.ones((2, 3)), y=jnp.ones((3,))),
             ValueError,

@@ -120,6 +120,36 @@ def test_integer_side_outputs_pass_through():
     compare(make_loss, 3, init_params(), {"x": xq, "id": ids}, {"x": xd[:, :6], "id": ids})
 
 
+@pytest.mark.parametrize("chunk_size", [3, 4])
+def test_encoder_closing_over_the_differentiated_params(chunk_size):
+    """``lambda _, x, key: f(w, x)`` built inside ``loss(w)``: exact, with dropout too."""
+
+    def make_loss(make):
+        def loss(params, q, d, key):
+            q_enc = make(lambda _, x, k: query_tower(params, x, k))
+            d_enc = make(lambda _, x, k: doc_tower(params, x, k))
+            return loss_fn(params, q_enc(None, q, key), d_enc(None, d, None))
+
+        return loss
+
+    _, grads = compare(make_loss, chunk_size, init_params(), *batch(11, 4), jax.random.key(5))
+    assert all(jnp.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+
+
+def test_encoder_closing_over_values_staged_by_jit_only():
+    """Closed-over values that are not differentiated stay closed over (no extra gradient)."""
+
+    def make_loss(make):
+        def loss(params, q, d, frozen):
+            q_enc = make(lambda p, x, k: query_tower({**p, "w1": frozen}, x, k))
+            return loss_fn(params, q_enc(params, q, None), doc_tower(params, d, None))
+
+        return loss
+
+    params = init_params()
+    compare(make_loss, 3, params, *batch(9, 6), params["w1"] * 2)
+
+
 def test_forward_alone_equals_the_encoder():
     enc = gc_jax.chunked_encoder(query_tower, 3)
     q, _ = batch(10, 7)

@@ -341,6 +341,37 @@ def test_resume_after_a_restart_is_bitwise_exact(straight_run, tmp_path, capsys)
     _assert_bitwise_equal(on_disk[0], straight["params"])
 
 
+def test_an_interrupted_run_saves_its_finished_steps(tmp_path, monkeypatch, capsys):
+    """SIGTERM (or Ctrl-C) mid-run: the step finishes, is checkpointed, and train returns."""
+    import argparse
+    import os
+    import signal
+
+    saved = []
+    monkeypatch.setattr(dual_encoder, "save", lambda manager, state: saved.append(state.step))
+
+    def step(params, opt_state, queries, documents, key):
+        if len(calls) == 2:  # during the third step
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return params, opt_state, jnp.float32(1.0)
+
+    calls = []
+    data = type("Data", (), {"rows": lambda self, idx: (idx, idx)})()
+    state = dual_encoder.TrainState(
+        {"log_temperature": jnp.float32(0.0)}, None, 0,
+        dual_encoder.BatchOrder(8, 2, 0), jax.random.key(0),
+    )  # fmt: skip
+    args = argparse.Namespace(
+        checkpoint_dir=str(tmp_path), stop_at=None, steps=50, eval_every=100, save_every=25
+    )
+    before = signal.getsignal(signal.SIGTERM)
+    state = dual_encoder.train(step, state, data, lambda p: {}, None, args)
+    assert state.step == 3 and saved == [3] and len(calls) == 3
+    assert "SIGTERM: stopped after step 3, checkpoint saved" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
 def test_resume_refuses_different_run_flags_and_foreign_directories(straight_run, tmp_path, capsys):
     directory, _ = straight_run
     with pytest.raises(SystemExit):

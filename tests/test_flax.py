@@ -165,6 +165,27 @@ def test_linen_variable_collection_errors(train, extra, error, match):
         jax.eval_shape(gc_jax.cached_value_and_grad(loss, encode, 4), params, q, d)
 
 
+def test_linen_variables_dict_as_params_names_the_fix():
+    q, d = inputs()
+    model = LinenTower()
+    variables = model.init(jax.random.key(0), q, jnp.ones(q.shape[0]))
+    encode = gc_jax.linen_encoder(model, get_rep=lambda out: out["pooled"])
+    f = jax.jit(gc_jax.cached_value_and_grad(loss, encode, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"got a whole Linen variables dict as params.*"
+        r"pass variables\['params'\].*extra_variables=",
+    ):
+        f(variables, (q, jnp.ones(q.shape[0])), (d, jnp.ones(d.shape[0])), rng=jax.random.key(1))
+    # a dropout module with no rng: the missing argument is named
+    with pytest.raises(
+        TypeError,
+        match=r"linen_encoder\(LinenTower\) draws random numbers.*"
+        r"got key=None.*rng=jax\.random\.key\(seed\)",
+    ):
+        f(variables["params"], (q, jnp.ones(q.shape[0])), (d, jnp.ones(d.shape[0])))
+
+
 class NNXNormTower(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.dense1 = nnx.Linear(6, 16, rngs=rngs)

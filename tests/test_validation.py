@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +74,7 @@ def test_numpy_int_chunk_size_is_accepted():
 
 def test_per_input_chunk_sizes_of_wrong_length():
     f = gc_jax.cached_value_and_grad(loss, encode, (2, 2, 2))
-    with pytest.raises(ValueError, match="chunk_size has 3 entries but 2 inputs were given"):
+    with pytest.raises(ValueError, match="chunk_size has 3 entries for 2 inputs"):
         traced(f, W, Q, DOC)
 
 
@@ -82,7 +83,7 @@ def test_per_input_chunk_sizes_of_wrong_length():
 
 def test_number_of_encoders_does_not_match_inputs():
     f = gc_jax.cached_value_and_grad(loss, (encode, encode, encode), 2)
-    with pytest.raises(ValueError, match="encoders has 3 entries but 2 inputs were given"):
+    with pytest.raises(ValueError, match="encoders has 3 entries for 2 inputs"):
         traced(f, W, Q, DOC)
 
 
@@ -231,7 +232,10 @@ def test_train_step_state_forms():
 def test_train_step_options():
     with pytest.raises(TypeError, match=r"optimizer must be an optax\.GradientTransformation"):
         gc_jax.make_train_step(loss, encode, 2, optimizer=lambda g: g)
-    with pytest.raises(ValueError, match="loss_scale must be None, a positive number or"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_scale must be None, a finite positive number or .dynamic., got .auto.",
+    ):
         gc_jax.make_train_step(loss, encode, 2, loss_scale="auto")
     with pytest.raises(ValueError, match="finite positive number, got 0"):
         gc_jax.make_train_step(loss, encode, 2, loss_scale=0)
@@ -326,6 +330,34 @@ def test_axis_name_in_neither_place_inside_shard_map_is_an_error():
         _shard_mapped(f)()
 
 
+def test_axis_name_in_neither_place_untyped_is_an_error():
+    """pmap and shard_map(check_vma=False): no types say the batch is split; still caught."""
+    f = gc_jax.cached_value_and_grad(loss, encode, 1)
+    match = (
+        r"inside pmap or shard_map\(check_vma=False\) over mesh axes \['data'\].*axis_name='data'"
+    )
+    with pytest.raises(ValueError, match=match):
+        _shard_mapped(f, check_vma=False)()
+    q, d = (v.reshape(DEVICES, 2, D) for v in _global_rows())
+    params = jax.tree.map(lambda v: jnp.broadcast_to(v, (DEVICES, *v.shape)), W)
+    with pytest.raises(ValueError, match=match):
+        jax.pmap(f, axis_name="data")(params, q, d)
+    step = gc_jax.make_train_step(loss, encode, 1, optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=match):
+        jax.pmap(step, axis_name="data")((params, jax.vmap(optax.sgd(0.1).init)(params)), q, d)
+
+
+def test_replicated_batch_inside_typed_shard_map_needs_no_axis_name():
+    """Every device holds the whole batch (a model-parallel axis): allowed, and exact."""
+    from jax.sharding import PartitionSpec as P
+
+    f = gc_jax.cached_value_and_grad(loss, encode, 2)
+    step = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=P(), out_specs=P()))
+    got = step(W, Q, DOC)
+    want = jax.value_and_grad(lambda p: loss(p, encode(p, Q, None), encode(p, DOC, None)))(W)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("core", "loss_fn"), [("data", loss), (None, _gathering_loss)])
 def test_axis_name_mismatch_under_pmap(core, loss_fn):
     f = gc_jax.cached_value_and_grad(loss_fn, encode, 1, axis_name=core)
@@ -357,8 +389,71 @@ def test_loss_keywords_that_the_step_owns():
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
 def test_non_positive_loss_scale(scale):
     f = gc_jax.cached_value_and_grad(loss, encode, 2)
-    with pytest.raises(ValueError, match=r"loss_scale must be a finite positive scalar"):
+    with pytest.raises(ValueError, match=r"loss_scale must be a finite positive number"):
         traced(f, W, Q, DOC, loss_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_traced_bad_loss_scale_cannot_pass_as_a_good_step(scale):
+    """A traced scale is only known at run time: loss and gradients come out NaN."""
+    f = jax.jit(gc_jax.cached_value_and_grad(loss, encode, 2))
+    value, grads = f(W, Q, DOC, loss_scale=jnp.float32(scale))
+    assert np.isnan(value) and np.all(np.isnan(grads["w"]))
+    good_value, good_grads = f(W, Q, DOC, loss_scale=jnp.float32(8.0))
+    ref_value, ref_grads = jax.value_and_grad(
+        lambda p: loss(p, encode(p, Q, None), encode(p, DOC, None))
+    )(W)
+    np.testing.assert_allclose(good_value, ref_value, rtol=1e-6)
+    np.testing.assert_allclose(good_grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_traced_bad_loss_scale_is_a_skipped_step():
+    """In a train step whose scale is traced (the dynamic scale), the step is skipped."""
+    opt = optax.sgd(0.1)
+    step = jax.jit(gc_jax.make_train_step(loss, encode, 2, optimizer=opt, loss_scale="dynamic"))
+    scale = gc_jax.DynamicLossScale(jnp.float32(0.0), jnp.int32(0))
+    (params, _, _), metrics = step((W, opt.init(W), scale), Q, DOC)
+    assert not metrics["is_finite"]
+    np.testing.assert_array_equal(params["w"], W["w"])
+    with pytest.raises(ValueError, match="loss_scale must be a finite positive number, got 0"):
+        gc_jax.DynamicLossScale.create(0.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "match"),
+    [
+        (jnp.int32, r"cache_dtype must be a real floating-point dtype .*got int32.*non-float"),
+        (
+            jnp.complex64,
+            r"cache_dtype must be a real floating-point dtype .*got complex64.*complex",
+        ),
+        ("nope", r"cache_dtype must be a floating-point dtype .* got 'nope'"),
+    ],
+)
+def test_cache_dtype_must_be_real_float(dtype, match):
+    with pytest.raises(TypeError, match=match):
+        gc_jax.cached_value_and_grad(loss, encode, 2, cache_dtype=dtype)
+    with pytest.raises(TypeError, match=match):
+        gc_jax.make_train_step(loss, encode, 2, cache_dtype=dtype)
+
+
+def test_encoder_with_no_float_output():
+    ids = lambda p, x, key: jnp.round(encode(p, x, key) * 10).astype(jnp.int32)
+    f = gc_jax.cached_value_and_grad(loss, (encode, ids), 2)
+    with pytest.raises(
+        ValueError,
+        match=r"encoders\[1\] returns no floating-point output for "
+        r"inputs\[1\] \(dtypes \['int32'\]\), so there is nothing to differentiate",
+    ):
+        traced(f, W, Q, DOC)
+    # Integer outputs next to a float one are fine (and get no gradient).
+    with_ids = lambda p, x, key: (encode(p, x, key), ids(p, x, key))
+    both = lambda p, q, d: loss(p, q[0], d[0]) + 0.0 * jnp.sum(d[1])
+    value, grads = traced(gc_jax.cached_value_and_grad(both, with_ids, 2), W, Q, DOC)
+    ref_value, ref_grads = jax.value_and_grad(
+        lambda p: loss(p, encode(p, Q, None), encode(p, DOC, None))
+    )(W)
+    chex.assert_trees_all_close((value, grads), (ref_value, ref_grads), rtol=1e-5, atol=1e-6)
 
 
 def test_raw_key_of_the_wrong_shape():
@@ -414,3 +509,66 @@ def test_replicated_leaf_before_a_sharded_leaf_is_resharded():
 
 def encode_tree_ab(p, x, key):
     return jnp.tanh(x["a_replicated"] @ p["w"] - x["b_sharded"] @ p["w"])
+
+
+def test_loss_without_params_first_names_the_fix():
+    f = gc_jax.cached_value_and_grad(lambda q, d: contrastive_loss(q, d), encode, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"loss_fn\(q, d\) is called as loss_fn\(params, \*reps"
+        r".*params come first: write loss_fn=lambda params, \*reps",
+    ):
+        traced(f, W, Q, DOC)
+
+
+def test_dropout_encoder_without_rng_names_the_argument():
+    def dropout(p, x, key):
+        return encode(p, x, key) * jax.random.bernoulli(key, 0.9, (x.shape[0], D))
+
+    f = gc_jax.cached_value_and_grad(loss, dropout, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"encoder draws random numbers.*got key=None.*"
+        r"rng=jax\.random\.key\(seed\)",
+    ):
+        traced(f, W, Q, DOC)
+    encode_batch = gc_jax.chunked_encoder(dropout, 2)
+    with pytest.raises(TypeError, match=r"encode draws random numbers.*encode_batch\(params, "):
+        traced(lambda p: encode_batch(p, Q), W)
+
+
+P_INT = {"w": jnp.eye(D), "n": jnp.array(3, jnp.int32)}
+
+
+def _scaled(p, x, key):
+    return jnp.tanh(x @ p["w"] * p["n"].astype(jnp.float32) / 3)
+
+
+def _full_loss(p):
+    return loss(p, _scaled(p, Q, None), _scaled(p, DOC, None))
+
+
+def test_integer_param_leaf_gets_no_gradient_cached_value_and_grad():
+    """Zeros of the leaf's dtype (so optimizers leave it as it is); floats exact."""
+    value, grads = jax.jit(gc_jax.cached_value_and_grad(loss, _scaled, 3))(P_INT, Q, DOC)
+    ref_value, ref_grads = jax.value_and_grad(_full_loss, allow_int=True)(P_INT)
+    chex.assert_trees_all_close(
+        (value, grads["w"]), (ref_value, ref_grads["w"]), rtol=1e-5, atol=1e-6
+    )
+    assert grads["n"].dtype == jnp.int32 and int(grads["n"]) == 0
+    opt = optax.adam(0.1)
+    step = jax.jit(gc_jax.make_train_step(loss, _scaled, 3, optimizer=opt))
+    (params, _), metrics = step((P_INT, opt.init(P_INT)), Q, DOC)
+    assert bool(metrics["is_finite"]) and int(params["n"]) == 3
+
+
+def test_integer_param_leaf_gets_no_gradient_chunked_encoder():
+    """Inside the user's jax.grad(allow_int=True): float0, as for the plain encoder."""
+    encode_batch = gc_jax.chunked_encoder(_scaled, 3)
+    cached = lambda p: loss(p, encode_batch(p, Q), encode_batch(p, DOC))
+    got = jax.jit(jax.value_and_grad(cached, allow_int=True))(P_INT)
+    want = jax.value_and_grad(_full_loss, allow_int=True)(P_INT)
+    chex.assert_trees_all_close(
+        (got[0], got[1]["w"]), (want[0], want[1]["w"]), rtol=1e-5, atol=1e-6
+    )
+    assert got[1]["n"].dtype == want[1]["n"].dtype == jax.dtypes.float0

@@ -4,8 +4,10 @@ Code written for ``grad_cache.cachex`` (luyug/GradCache, as used by Tevatron) ru
 unchanged once ``from grad_cache import cachex`` becomes
 ``from gc_jax import cachex``: same names, signatures and pre-chunked
 ``[n_chunk, rows, ...]`` inputs, with ``jax.tree.map`` instead of the removed
-``jax.tree_multimap``. Every function runs gc_jax's own two passes
-(``gc_jax._passes``) with the chunk axis as their row axis and one chunk per step:
+``jax.tree_multimap``. Every gradient-caching function runs gc_jax's own two passes
+(``gc_jax._passes``) with the chunk axis as their row axis and one chunk per step
+(``grad_with_cache`` is the original's helper, a plain ``jax.grad`` of the output
+contracted with a given cotangent, and ``tree_chunk``/``unchunk_args`` only reshape):
 
 ==============================================  ================================================
 ``cachex``                                      gc_jax

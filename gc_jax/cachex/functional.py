@@ -241,6 +241,30 @@ def unchunk_args(axis: int = 0, argnums: int | Iterable[int] = ()) -> Callable:
     return decorator_unchunk
 
 
+def _check_rows(out: PyTree, chunk: PyTree) -> None:
+    """Checks that ``f`` returned one row per row of its chunk (``[shards, rows, ...]`` here).
+
+    A batch that was not cut with ``tree_chunk`` hands ``f`` one row per "chunk",
+    whose outputs then have no row axis or the wrong number of rows.
+    """
+    rows = sorted({x.shape[1] for x in jax.tree.leaves(chunk) if x.ndim >= 2})
+    fix = (
+        "grad_cached's batch must be pre-chunked, every leaf [n_chunk, rows, ...]: write "
+        "cached_f(params, cachex.tree_chunk(batch, n_chunk)), and f must return one "
+        "representation row per row of its chunk."
+    )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        where = jax.tree_util.keystr(path) or "an output"
+        shape = tuple(getattr(leaf, "shape", ()))
+        if len(shape) < 2:
+            raise ValueError(f"f returned {where} of shape {shape[1:]} for a chunk. {fix}")
+        if shape[1] not in rows:
+            raise ValueError(
+                f"f returned {where} with {shape[1]} rows for a chunk whose leaves have "
+                f"{rows or 'no'} rows. {fix}"
+            )
+
+
 def grad_cached(
     f: Callable[..., Array],
     policy: Callable[..., bool] | None = jax.checkpoint_policies.nothing_saveable,
@@ -310,14 +334,7 @@ def grad_cached(
         # ``chunk`` holds one chunk, or one per device when the chunk axis is sharded
         # (explicit mesh axes): each is encoded as ``f`` sees it, side by side.
         out = jax.vmap(lambda c: f(params, c))(chunk)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if len(getattr(leaf, "shape", ())) < 2:
-                where = jax.tree_util.keystr(path) or "an output"
-                raise ValueError(
-                    f"f returned {where} of shape {tuple(getattr(leaf, 'shape', ())[1:])} for "
-                    "a chunk; grad_cached's f must return one representation row per row of "
-                    "its sub-batch."
-                )
+        _check_rows(out, chunk)
         return out
 
     encode_batch = _chunked_encoder.chunked_encoder(encode, 1, policy=chunk_policy)
