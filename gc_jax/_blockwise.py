@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,36 @@ import jax.numpy as jnp
 from gc_jax import _distributed, _narrow
 
 Rows = tuple[jax.Array, ...]
-Kind = type  # _Softmax or _Sigmoid: how a row's loss and its logit gradient are formed
 Scalar = jax.Array
+
+
+class Strategy(Protocol):
+    """How a blockwise loss forms each row's loss and its logits' gradient, tile by tile.
+
+    A new row-wise loss fills these four static methods (see :class:`_Softmax` and
+    :class:`_Sigmoid`); the loops, the masking of overlapping blocks, the custom VJP
+    and the ring across devices (``gc_jax._ring``) are shared. Every array argument is
+    in the accumulation dtype; ``z`` is a ``[rows, cols]`` tile of logits, ``valid``
+    marks the columns the tile owns (a last, overlapping block's columns shared with
+    the block before are not), ``pos`` marks each row's target (at most one column,
+    always valid).
+    """
+
+    @staticmethod
+    def init(rows: int, dtype: Any) -> Rows:
+        """The running statistics of ``rows`` rows before any tile: arrays of ``[rows]``."""
+
+    @staticmethod
+    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
+        """``carry`` updated with one tile's valid columns (tiles come in any order)."""
+
+    @staticmethod
+    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
+        """``(per-row losses, per-row statistic the backward needs)`` after every tile."""
+
+    @staticmethod
+    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, stat: jax.Array) -> jax.Array:
+        """``d loss_row / d z`` on one tile (zero off ``valid``), given ``finish``'s statistic."""
 
 
 class _Softmax:
@@ -190,8 +218,51 @@ def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
     return _varying_like(jnp.zeros_like(like, dtype), *others)
 
 
+def sweep(
+    kind: Strategy,
+    block: int,
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: Scalar,
+    bias: Scalar,
+    carry: Rows,
+) -> Rows:
+    """``carry`` (one running statistic per row of ``x``) updated with every tile of ``ys``.
+
+    A loop over query blocks, an inner one over ``ys``'s blocks. The rows a last,
+    overlapping query block shares with the block before keep the values that block
+    gave them (they would otherwise count ``ys`` twice). ``gc_jax._ring`` calls this
+    once per block of ``ys`` that reaches the device.
+    """
+    bq, bk = _sizes(block, x, ys)
+    n, m = len(x), len(ys)
+
+    def query_block(i, carry, x, targets, ys):
+        qs = _first(i, bq, n)
+        xq, tq = _read(x, qs, bq), _read(targets, qs, bq)
+        before = tuple(_read(c, qs, bq) for c in carry)
+
+        def step(j, rows, ys):
+            ks = _first(j, bk, m)
+            _, z, valid, pos = _tile(xq, _read(ys, ks, bk), tq, ks, j * bk, scale, bias)
+            return kind.update(rows, z, valid, pos)
+
+        after = _loop(step, _blocks(m, bk), before, ys)
+        own = _own_rows(qs, bq, i * bq)[:, 0]
+        rows = (jnp.where(own, a, b) for a, b in zip(after, before, strict=True))
+        return tuple(_write(c, r, qs) for c, r in zip(carry, rows, strict=True))
+
+    return _loop(query_block, _blocks(n, bq), carry, x, targets, ys)
+
+
+def init(kind: Strategy, x: jax.Array, *others: jax.Array, dtype: Any) -> Rows:
+    """``kind.init`` for the rows of ``x``, typed to vary like ``x`` and ``others``."""
+    return _varying_like(kind.init(len(x), dtype), x, *others)
+
+
 def _forward(
-    kind: Kind,
+    kind: Strategy,
     block: int,
     x: jax.Array,
     ys: jax.Array,
@@ -199,30 +270,13 @@ def _forward(
     scale: Scalar,
     bias: Scalar,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-row losses and statistics: a loop over query blocks, an inner one over ``ys``."""
-    bq, bk = _sizes(block, x, ys)
-    n, m = len(x), len(ys)
-    acc = scale.dtype
-
-    def query_block(i, out, x, targets, ys):
-        qs = _first(i, bq, n)  # rows before i * bq are written again, with the same values
-        xq, tq = _read(x, qs, bq), _read(targets, qs, bq)
-
-        def step(j, carry, ys):
-            ks = _first(j, bk, m)
-            _, z, valid, pos = _tile(xq, _read(ys, ks, bk), tq, ks, j * bk, scale, bias)
-            return kind.update(carry, z, valid, pos)
-
-        init = _varying_like(kind.init(bq, acc), x, ys)
-        rows = kind.finish(_loop(step, _blocks(m, bk), init, ys))
-        return tuple(_write(o, r, qs) for o, r in zip(out, rows, strict=True))
-
-    out = (_zeros(x[:, 0], acc, x, ys),) * 2
-    return _loop(query_block, _blocks(n, bq), out, x, targets, ys)
+    """Per-row losses and statistics: one :func:`sweep` over all of ``ys``."""
+    carry = init(kind, x, ys, dtype=scale.dtype)
+    return kind.finish(sweep(kind, block, x, ys, targets, scale, bias, carry))
 
 
 def _backward(
-    kind: Kind,
+    kind: Strategy,
     block: int,
     x: jax.Array,
     ys: jax.Array,
@@ -343,7 +397,7 @@ def accumulation_dtype(*values: Any) -> jnp.dtype:
 
 
 def _call(
-    kind: Kind,
+    kind: Strategy,
     x: jax.Array,
     ys: jax.Array,
     targets: jax.Array,
