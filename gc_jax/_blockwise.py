@@ -58,8 +58,12 @@ class Strategy(Protocol):
     """
 
     @staticmethod
-    def init(rows: int, dtype: Any) -> Rows:
-        """The running statistics of ``rows`` rows before any tile: arrays of ``[rows]``."""
+    def init(zeros: jax.Array) -> Rows:
+        """The running statistics before any tile, from ``[rows]`` zeros.
+
+        ``zeros`` has the accumulation dtype and the rows' type (mesh, varying axes):
+        build every statistic from it (``zeros``, ``full_like``), never from scratch.
+        """
 
     @staticmethod
     def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
@@ -78,13 +82,9 @@ class _Softmax:
     """Per row: ``-log softmax(z)[target] = lse(z) - z[target]``."""
 
     @staticmethod
-    def init(rows: int, dtype: Any) -> Rows:
+    def init(zeros: jax.Array) -> Rows:
         """Running max, running sum of ``exp(z - max)``, and the target's logit."""
-        return (
-            jnp.full((rows,), -jnp.inf, dtype),
-            jnp.zeros((rows,), dtype),
-            jnp.zeros((rows,), dtype),
-        )
+        return jnp.full_like(zeros, -jnp.inf), zeros, zeros
 
     @staticmethod
     def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
@@ -110,8 +110,8 @@ class _Sigmoid:
     """Per row: ``sum_j -log sigmoid(label_ij * z_ij)``, label ``+1`` at the target only."""
 
     @staticmethod
-    def init(rows: int, dtype: Any) -> Rows:
-        return (jnp.zeros((rows,), dtype),)
+    def init(zeros: jax.Array) -> Rows:
+        return (zeros,)
 
     @staticmethod
     def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
@@ -204,13 +204,7 @@ def _varying_like(tree: Any, *others: jax.Array) -> Any:
     types of its inputs: a replicated scalar used with per-device rows is cast outside
     the custom VJP, and gets its (psummed) gradient through the cast.
     """
-    vma = frozenset().union(*map(_distributed.varying_axes, others))
-
-    def cast(v):
-        missing = tuple(vma - set(_distributed.varying_axes(v)))
-        return jax.lax.pcast(v, missing, to="varying") if missing else v
-
-    return jax.tree.map(cast, tree)
+    return _distributed.to_varying(tree, _distributed.varying_axes_of(others) or None)
 
 
 def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
@@ -258,7 +252,7 @@ def sweep(
 
 def init(kind: Strategy, x: jax.Array, *others: jax.Array, dtype: Any) -> Rows:
     """``kind.init`` for the rows of ``x``, typed to vary like ``x`` and ``others``."""
-    return _varying_like(kind.init(len(x), dtype), x, *others)
+    return kind.init(_zeros(x[:, 0], dtype, x, *others))
 
 
 def _forward(

@@ -69,11 +69,8 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
     sharded over the mesh is cut so that every device encodes its rows of every chunk.
     """
     rows = _validation.leading_size(batch, batch_name)
-    if axis_name is not None or _distributed.varying_axes_of(batch):
-        plan = _chunking.make_plan(rows, chunk_size)
-    else:
-        batch, shards, sharding = _distributed.batch_sharding(batch, batch_axis, batch_name)
-        plan = _chunking.make_plan(rows, chunk_size, shards, sharding)
+    batch, layout = _distributed.layout_of(batch, axis_name, batch_axis, batch_name)
+    plan = _chunking.make_plan(rows, chunk_size, layout)
     wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
     return Input(encode, batch, plan, rng, wrt, policy, name)
 
