@@ -1,20 +1,47 @@
 """Contrastive losses for cached representations, local or across devices.
 
-*Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each loss
-gathers the other side, computes only this device's rows, and returns the *global*
-loss on every device with the gradient of this device's share (see
-``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects. Under
+*Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each device
+computes only its own rows' losses against every device's other side, and the loss
+returns the *global* loss on every device with the gradient of this device's share
+(see ``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects. Under
 ``shard_map`` the loss is typed replicated: return it with ``out_specs=P()``. Rows'
 gradients are this device's rows of the global gradient, and a replicated scalar
 (e.g. a temperature in ``in_specs=P()``) gets the global gradient. Under plain
-``jit`` over rows sharded with ``NamedSharding`` (explicit or auto mesh axes, with or
-without ``jax.set_mesh``), pass no ``axis_name``: the losses read the sharding from
-the rows' types and gather what every device needs.
+``jit`` over rows sharded with ``NamedSharding`` the losses read the layout from the
+rows' types (explicit mesh axes); under auto mesh axes pass ``axis_name`` naming the
+batch's mesh axis (with ``jax.set_mesh``), or nothing inside ``cached_value_and_grad``
+/ ``make_train_step`` with ``batch_axis``, which tell the loss (see
+``gc_jax._distributed.rows_layout``).
+
+*Two forms across devices* (``method=``):
+
+* ``"gather"``: every device all-gathers the other side (``all_gather``, which
+  transposes to a reduce-scatter). Under sharded ``jit`` the compiler replicates the
+  rows instead and every device computes the whole loss. Per-device memory grows
+  with the *global* batch.
+* ``"ring"`` (``gc_jax._ring``): each device keeps its rows; the other side's blocks
+  travel around the devices with ``ppermute`` (the next block is sent while this one
+  is computed), with an online log-sum-exp for the softmax losses and a backward on
+  the ring that carries each block's gradient home. Nothing batch-sized is gathered
+  in either direction, and per-device memory follows the *per-device* batch, whatever
+  the number of devices. Under sharded ``jit`` the loss runs its ring inside a
+  ``shard_map`` over the batch's mesh axes.
+* ``"auto"`` (the default): the ring when the rows are split over more than one
+  device and the gather form would hold more than 64 MiB of gathered rows per device
+  (``_GATHER_BYTES``; e.g. 43,690 rows of 768-d bfloat16 for ``contrastive_loss``,
+  both sides for ``clip_loss``); the gather form below that, where the ring's
+  ``P`` sequential steps would cost more than its memory saves.
 
 With ``block_size`` the logits are computed in ``block_size x block_size`` tiles,
 forward and backward, and never held whole (see ``gc_jax._blockwise``): memory
 grows with ``rows * dim`` instead of ``rows**2``. Values and gradients match the
-dense computation up to float rounding.
+dense computation up to float rounding. In the ring, ``block_size`` tiles each
+travelling block (without it, each travelling block is one tile).
+
+*Forward mode*: a loss with ``block_size`` (or in ring form) is a ``jax.custom_vjp``,
+so ``jax.jvp`` and ``jax.jacfwd`` do not go through it (JAX raises); reverse mode
+(``jax.grad``, ``jax.vjp``) does. Without ``block_size``, in the gather form, it is
+plain JAX and supports both.
 
 *Precision*: logits and losses are accumulated in at least float32. Rows in bfloat16
 or float16 are never cast whole (each matrix product accumulates in float32); the
@@ -173,7 +200,8 @@ def _run(local, x, y, scalars, *, reduction, method, axis_name, sides):
     ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
     """
     layout = _distributed.rows_layout(x, axis_name)
-    gathered = layout.shards * sum(v.size * v.dtype.itemsize for v in sides)
+    here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
+    gathered = layout.shards * here  # what every device would hold in the gather form
     ring = _use_ring(method, layout, gathered)
     if layout.kind in ("single", "manual"):
         return local(x, y, *scalars, axis_name=layout.axes, ring=ring and layout.shards > 1)
@@ -215,8 +243,11 @@ def contrastive_loss(
         per-query losses of this device's rows.
       block_size: if set, compute the loss and its gradient in tiles of this many
         rows of each side, never materialising the ``[n, n * k]`` logits.
-      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather ``y``
-        over, or None (also under ``jit`` over sharded rows).
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a mesh axis
+        of ``jax.set_mesh`` under ``jit``), or None (also under ``jit`` over rows
+        sharded over explicit mesh axes).
+      method: ``"auto"``, ``"ring"`` or ``"gather"``: how the rows of other devices
+        are reached (see the module docstring); the same values either way.
 
     Returns:
       The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
@@ -257,6 +288,16 @@ def contrastive_loss(
       >>> want = jax.jit(jax.value_and_grad(full, argnums=(0, 1, 2)))(x, y, 0.5)
       >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
       True
+
+      The ring form: ``y``'s blocks travel around the devices, nothing is gathered.
+
+      >>> def ring(x, y, t):
+      ...     return contrastive_loss(x, y, temperature=t, axis_name="data", method="ring")
+      >>> f = jax.jit(jax.shard_map(jax.value_and_grad(ring, argnums=(0, 1, 2)), mesh=mesh,
+      ...     in_specs=(P("data"), P("data"), P()), out_specs=(P(), (P("data"), P("data"), P()))))
+      >>> got = f(jax.device_put(x, rows), jax.device_put(y, rows), 0.5)
+      >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
+      True
     """
     _check_reduction(reduction)
     block_size, method = _check_block(block_size), _check_method(method)
@@ -292,9 +333,12 @@ def clip_loss(
         the per-pair losses of this device's rows.
       block_size: if set, compute both directions and their gradients in tiles of
         this many rows of each side, never materialising the ``[n, n]`` logits.
-      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather over, or
-        None (also under ``jit`` over sharded rows); each device scores its ``x`` rows
-        against the gathered ``y`` and its ``y`` rows against the gathered ``x``.
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a mesh axis
+        of ``jax.set_mesh`` under ``jit``), or None (also under ``jit`` over rows
+        sharded over explicit mesh axes); each device scores its ``x`` rows against
+        every ``y`` and its ``y`` rows against every ``x``.
+      method: ``"auto"``, ``"ring"`` or ``"gather"``: how the rows of other devices
+        are reached (see the module docstring); the same values either way.
 
     Returns:
       The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
@@ -350,8 +394,11 @@ def sigmoid_loss(
         ``"none"`` for the per-row sums of this device's rows.
       block_size: if set, compute the loss and its gradient in tiles of this many
         rows of each side, never materialising the ``[n, n]`` logits.
-      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather ``y``
-        over, or None (also under ``jit`` over sharded rows).
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a mesh axis
+        of ``jax.set_mesh`` under ``jit``), or None (also under ``jit`` over rows
+        sharded over explicit mesh axes).
+      method: ``"auto"``, ``"ring"`` or ``"gather"``: how the rows of other devices
+        are reached (see the module docstring); the same values either way.
 
     Returns:
       The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
