@@ -361,7 +361,10 @@ def clip_loss(
     def local(x, y, logit_scale, *, axis_name, ring):
         scale, kind = jnp.exp(logit_scale), _blockwise._Softmax
         rows = lambda a, b: _rows(kind, a, b, 1, scale, 0.0, block_size, axis_name, ring)
-        per_row = (rows(x, y) + rows(y, x)) / 2
+        x_to_y = rows(x, y)
+        if ring:  # one ring at a time, forward and backward (else both hold their buffers)
+            x_to_y, x, y = jax.lax.optimization_barrier((x_to_y, x, y))
+        per_row = (x_to_y + rows(y, x)) / 2
         return _reduce(per_row, len(x) * _num_devices(axis_name), reduction, axis_name)
 
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
