@@ -28,6 +28,7 @@ import argparse
 import functools
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=4096)
     p.add_argument("--json", type=Path, default=HERE / "results" / "ring_pod.json")
     p.add_argument("--plot", type=Path, default=HERE / "plots" / "ring_pod.png")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these points in the existing JSON (each keeps its commit)",
+    )
     return p.parse_args(argv)
 
 
@@ -173,9 +179,12 @@ def main(argv=None) -> None:
             for loss in args.losses:
                 for method in args.methods:
                     points.append((loss, method, chips, batch))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=HERE).stdout.strip()  # fmt: skip
     results = []
     for loss, method, chips, batch in points:
         r = compile_point(loss, method, chips, batch, args.dim, args.block)
+        r["commit"] = commit
         results.append(r)
         print(
             f"{loss:12s} {method:6s} chips={chips:4d} batch=2^{int(np.log2(batch)):2d} "
@@ -186,8 +195,15 @@ def main(argv=None) -> None:
             flush=True,
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/ring_pod.py " + " ".join(sys.argv[1:]),
-            "jax": jax.__version__, "dim": args.dim, "block_size": args.block}  # fmt: skip
+    command = "python benchmarks/ring_pod.py " + " ".join(sys.argv[1:])
+    meta = {"commands": [command], "jax": jax.__version__, "dim": args.dim,
+            "block_size": args.block}  # fmt: skip
+    if args.update:
+        old = json.loads(args.json.read_text())
+        key = lambda r: (r["loss"], r["method"], r["chips"], r["batch"])
+        new = {key(r) for r in results}
+        results = [r for r in old["results"] if key(r) not in new] + results
+        meta["commands"] = [*old["meta"]["commands"], command]
     args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, args, args.plot)
     print(f"wrote {args.json} and {args.plot}")

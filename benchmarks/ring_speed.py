@@ -11,7 +11,7 @@ the rows and every device computes the whole loss) and inside ``shard_map`` with
 Usage::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
-        python benchmarks/ring_speed.py            # 8 x 1024 rows, d = 128, 15 rounds
+        python benchmarks/ring_speed.py            # 8 x 256 rows, d = 64, 11 rounds
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ HERE = Path(__file__).resolve().parent
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--per-device", type=int, default=1024)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--per-device", type=int, default=256)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--losses", nargs="+", default=["contrastive", "clip", "sigmoid"])
     p.add_argument("--json", type=Path, default=HERE / "results" / "ring_speed.json")
     return p.parse_args(argv)
