@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=4096)
     p.add_argument("--json", type=Path, default=HERE / "results" / "ring_pod.json")
     p.add_argument("--plot", type=Path, default=HERE / "plots" / "ring_pod.png")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     p.add_argument(
         "--update",
         action="store_true",
@@ -146,6 +147,7 @@ def plot(results: list[dict], args, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, (title, pick) in zip(axes, [
@@ -154,7 +156,7 @@ def plot(results: list[dict], args, path: Path) -> None:
         (f"fixed global batch ({args.global_batch:,} rows)",
          lambda r: r["batch"] == args.global_batch),
     ], strict=True):  # fmt: skip
-        for loss in args.losses:
+        for loss in dict.fromkeys(r["loss"] for r in results):
             for method, style in (("gather", "--"), ("ring", "-")):
                 mine = [r for r in results if r["loss"] == loss and r["method"] == method]
                 pts = sorted((r["chips"], r["temp_bytes"] / GIB) for r in mine if pick(r))
@@ -163,7 +165,9 @@ def plot(results: list[dict], args, path: Path) -> None:
                     ax.plot(chips, gib, style, marker="o", label=f"{loss}, {method}")
         ax.axhline(HBM / GIB, color="grey", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="v5e chips", title=title)
-        ax.set_xticks(args.chips, [str(c) for c in args.chips])
+        chips = sorted({r["chips"] for r in results})
+        ax.set_xticks(chips, [str(c) for c in chips])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes[0].set_ylabel("per-chip temp memory (GiB), TPU compiler")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
@@ -173,6 +177,9 @@ def plot(results: list[dict], args, path: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.json.read_text())["results"], args, args.plot)
+        return
     points = []
     for chips in args.chips:
         for batch in dict.fromkeys([args.per_chip * chips, args.global_batch]):
