@@ -7,6 +7,12 @@ reduce-scatter, so the share's gradient with respect to this device's
 representations already sums every device's contribution. A loss whose *value* is
 the global loss on every device (what users want to log) gets its gradient from
 :func:`global_loss`, which returns the global value and the local share's gradient.
+
+*Layout*: how a batch's rows lie across devices is decided here, once, as a
+:class:`Layout` (manual axes inside ``shard_map``/``pmap``, an explicit mesh read from
+the array types, an auto mesh named by ``batch_axis``, or a single device):
+:func:`layout_of` for a batch (carried in each input's chunk plan) and
+:func:`rows_layout` for a loss's rows; the chunking, the passes and the losses ask it.
 """
 
 from __future__ import annotations
