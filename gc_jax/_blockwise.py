@@ -21,7 +21,8 @@ and over key blocks for ``dys``, so that no batch-sized gradient is carried acro
 blocks. The second sweep writes ``dys`` over ``ys`` (each block is read just before it
 is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering
 ``ys`` across devices happens outside, so its transpose (a reduce-scatter) is left
-to JAX.
+to JAX; the ring form (``gc_jax._ring``) instead runs :func:`sweep` and the backward
+once per block of ``ys`` that reaches the device.
 
 *Precision*: tiles, per-row statistics and per-block gradients are computed in the
 *accumulation dtype*, the inputs' dtype widened to at least float32 (the scalars'
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,21 +43,49 @@ import jax.numpy as jnp
 from gc_jax import _distributed, _narrow
 
 Rows = tuple[jax.Array, ...]
-Kind = type  # _Softmax or _Sigmoid: how a row's loss and its logit gradient are formed
 Scalar = jax.Array
+
+
+class Strategy(Protocol):
+    """How a blockwise loss forms each row's loss and its logits' gradient, tile by tile.
+
+    A new row-wise loss fills these four static methods (see :class:`_Softmax` and
+    :class:`_Sigmoid`); the loops, the masking of overlapping blocks, the custom VJP
+    and the ring across devices (``gc_jax._ring``) are shared. Every array argument is
+    in the accumulation dtype; ``z`` is a ``[rows, cols]`` tile of logits, ``valid``
+    marks the columns the tile owns (a last, overlapping block's columns shared with
+    the block before are not), ``pos`` marks each row's target (at most one column,
+    always valid).
+    """
+
+    @staticmethod
+    def init(zeros: jax.Array) -> Rows:
+        """The running statistics before any tile, from ``[rows]`` zeros.
+
+        ``zeros`` has the accumulation dtype and the rows' type (mesh, varying axes):
+        build every statistic from it (``zeros``, ``full_like``), never from scratch.
+        """
+
+    @staticmethod
+    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
+        """``carry`` updated with one tile's valid columns (tiles come in any order)."""
+
+    @staticmethod
+    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
+        """``(per-row losses, per-row statistic the backward needs)`` after every tile."""
+
+    @staticmethod
+    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, stat: jax.Array) -> jax.Array:
+        """``d loss_row / d z`` on one tile (zero off ``valid``), given ``finish``'s statistic."""
 
 
 class _Softmax:
     """Per row: ``-log softmax(z)[target] = lse(z) - z[target]``."""
 
     @staticmethod
-    def init(rows: int, dtype: Any) -> Rows:
+    def init(zeros: jax.Array) -> Rows:
         """Running max, running sum of ``exp(z - max)``, and the target's logit."""
-        return (
-            jnp.full((rows,), -jnp.inf, dtype),
-            jnp.zeros((rows,), dtype),
-            jnp.zeros((rows,), dtype),
-        )
+        return jnp.full_like(zeros, -jnp.inf), zeros, zeros
 
     @staticmethod
     def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
@@ -82,8 +111,8 @@ class _Sigmoid:
     """Per row: ``sum_j -log sigmoid(label_ij * z_ij)``, label ``+1`` at the target only."""
 
     @staticmethod
-    def init(rows: int, dtype: Any) -> Rows:
-        return (jnp.zeros((rows,), dtype),)
+    def init(zeros: jax.Array) -> Rows:
+        return (zeros,)
 
     @staticmethod
     def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
@@ -176,13 +205,7 @@ def _varying_like(tree: Any, *others: jax.Array) -> Any:
     types of its inputs: a replicated scalar used with per-device rows is cast outside
     the custom VJP, and gets its (psummed) gradient through the cast.
     """
-    vma = frozenset().union(*map(_distributed.varying_axes, others))
-
-    def cast(v):
-        missing = tuple(vma - set(_distributed.varying_axes(v)))
-        return jax.lax.pcast(v, missing, to="varying") if missing else v
-
-    return jax.tree.map(cast, tree)
+    return _distributed.to_varying(tree, _distributed.varying_axes_of(others) or None)
 
 
 def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
@@ -190,8 +213,51 @@ def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
     return _varying_like(jnp.zeros_like(like, dtype), *others)
 
 
+def sweep(
+    kind: Strategy,
+    block: int,
+    x: jax.Array,
+    ys: jax.Array,
+    targets: jax.Array,
+    scale: Scalar,
+    bias: Scalar,
+    carry: Rows,
+) -> Rows:
+    """``carry`` (one running statistic per row of ``x``) updated with every tile of ``ys``.
+
+    A loop over query blocks, an inner one over ``ys``'s blocks. The rows a last,
+    overlapping query block shares with the block before keep the values that block
+    gave them (they would otherwise count ``ys`` twice). ``gc_jax._ring`` calls this
+    once per block of ``ys`` that reaches the device.
+    """
+    bq, bk = _sizes(block, x, ys)
+    n, m = len(x), len(ys)
+
+    def query_block(i, carry, x, targets, ys):
+        qs = _first(i, bq, n)
+        xq, tq = _read(x, qs, bq), _read(targets, qs, bq)
+        before = tuple(_read(c, qs, bq) for c in carry)
+
+        def step(j, rows, ys):
+            ks = _first(j, bk, m)
+            _, z, valid, pos = _tile(xq, _read(ys, ks, bk), tq, ks, j * bk, scale, bias)
+            return kind.update(rows, z, valid, pos)
+
+        after = _loop(step, _blocks(m, bk), before, ys)
+        own = _own_rows(qs, bq, i * bq)[:, 0]
+        rows = (jnp.where(own, a, b) for a, b in zip(after, before, strict=True))
+        return tuple(_write(c, r, qs) for c, r in zip(carry, rows, strict=True))
+
+    return _loop(query_block, _blocks(n, bq), carry, x, targets, ys)
+
+
+def init(kind: Strategy, x: jax.Array, *others: jax.Array, dtype: Any) -> Rows:
+    """``kind.init`` for the rows of ``x``, typed to vary like ``x`` and ``others``."""
+    return kind.init(_zeros(x[:, 0], dtype, x, *others))
+
+
 def _forward(
-    kind: Kind,
+    kind: Strategy,
     block: int,
     x: jax.Array,
     ys: jax.Array,
@@ -199,30 +265,13 @@ def _forward(
     scale: Scalar,
     bias: Scalar,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-row losses and statistics: a loop over query blocks, an inner one over ``ys``."""
-    bq, bk = _sizes(block, x, ys)
-    n, m = len(x), len(ys)
-    acc = scale.dtype
-
-    def query_block(i, out, x, targets, ys):
-        qs = _first(i, bq, n)  # rows before i * bq are written again, with the same values
-        xq, tq = _read(x, qs, bq), _read(targets, qs, bq)
-
-        def step(j, carry, ys):
-            ks = _first(j, bk, m)
-            _, z, valid, pos = _tile(xq, _read(ys, ks, bk), tq, ks, j * bk, scale, bias)
-            return kind.update(carry, z, valid, pos)
-
-        init = _varying_like(kind.init(bq, acc), x, ys)
-        rows = kind.finish(_loop(step, _blocks(m, bk), init, ys))
-        return tuple(_write(o, r, qs) for o, r in zip(out, rows, strict=True))
-
-    out = (_zeros(x[:, 0], acc, x, ys),) * 2
-    return _loop(query_block, _blocks(n, bq), out, x, targets, ys)
+    """Per-row losses and statistics: one :func:`sweep` over all of ``ys``."""
+    carry = init(kind, x, ys, dtype=scale.dtype)
+    return kind.finish(sweep(kind, block, x, ys, targets, scale, bias, carry))
 
 
 def _backward(
-    kind: Kind,
+    kind: Strategy,
     block: int,
     x: jax.Array,
     ys: jax.Array,
@@ -343,7 +392,7 @@ def accumulation_dtype(*values: Any) -> jnp.dtype:
 
 
 def _call(
-    kind: Kind,
+    kind: Strategy,
     x: jax.Array,
     ys: jax.Array,
     targets: jax.Array,

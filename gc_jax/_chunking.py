@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _narrow
+from gc_jax import _distributed, _narrow
 from gc_jax._base import PyTree
 
 
@@ -32,7 +32,7 @@ class ChunkPlan(NamedTuple):
       chunk_size: rows of each shard per chunk.
       num_body: number of full chunks before the tail.
       tail_size: rows of each shard in the tail chunk (``1..chunk_size``).
-      sharding: how new batch-sized arrays are sharded (explicit mesh axes), or None.
+      layout: how the rows lie across devices (``gc_jax._distributed.Layout``).
     """
 
     batch_size: int
@@ -40,18 +40,19 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
     num_body: int
     tail_size: int
-    sharding: Any = None
+    layout: _distributed.Layout = _distributed.SINGLE
 
 
 def make_plan(
-    batch_size: int, chunk_size: int, num_shards: int = 1, sharding: Any = None
+    batch_size: int, chunk_size: int, layout: _distributed.Layout = _distributed.SINGLE
 ) -> ChunkPlan:
     """Plans the chunks of a batch (sizes are validated by the caller)."""
+    num_shards = layout.array_shards
     rows = batch_size // num_shards
     chunk_size = min(chunk_size, rows)
     num_chunks = -(-rows // chunk_size)
     tail = rows - (num_chunks - 1) * chunk_size
-    return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail, sharding)
+    return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail, layout)
 
 
 def zeros(like: PyTree, plan: ChunkPlan, vma: tuple = ()) -> PyTree:
@@ -64,11 +65,7 @@ def zeros(like: PyTree, plan: ChunkPlan, vma: tuple = ()) -> PyTree:
         buf = jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype)
         if vma:
             buf = jax.lax.pcast(buf, vma, to="varying")
-        if plan.sharding is None:
-            return buf
-        if jax.sharding.AxisType.Explicit in plan.sharding.mesh.axis_types:
-            return jax.sharding.reshard(buf, plan.sharding)  # the sharding is in the type
-        return jax.lax.with_sharding_constraint(buf, plan.sharding)
+        return plan.layout.place(buf)
 
     return jax.tree.map(one, like)
 

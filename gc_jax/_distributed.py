@@ -7,12 +7,20 @@ reduce-scatter, so the share's gradient with respect to this device's
 representations already sums every device's contribution. A loss whose *value* is
 the global loss on every device (what users want to log) gets its gradient from
 :func:`global_loss`, which returns the global value and the local share's gradient.
+
+*Layout*: how a batch's rows lie across devices is decided here, once, as a
+:class:`Layout` (manual axes inside ``shard_map``/``pmap``, an explicit mesh read from
+the array types, an auto mesh named by ``batch_axis``, or a single device):
+:func:`layout_of` for a batch (carried in each input's chunk plan) and
+:func:`rows_layout` for a loss's rows; the chunking, the passes and the losses ask it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -124,7 +132,7 @@ def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     """
     if axis_name is None:
         return tree
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = _names(axis_name)
 
     def cast(x):
         missing = tuple(n for n in names if n not in varying_axes(x))
@@ -133,73 +141,189 @@ def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
-def _leading_axes(leaf: jax.Array) -> tuple[Any, Any]:
-    """``(mesh, axes)`` the leading axis of ``leaf`` is sharded over in its type, or None."""
+class Layout(NamedTuple):
+    """How a batch's rows lie across devices: decided here, once, and asked everywhere else.
+
+    Attributes:
+      kind: ``"single"`` (one device, or auto mesh axes nobody named), ``"manual"``
+        (inside ``shard_map``/``pmap``: each device holds its rows; ``axes`` is the
+        ``axis_name``), ``"explicit"`` (``jit`` over explicit mesh axes: read from the
+        arrays' types) or ``"auto"`` (``jit`` over auto mesh axes: named by
+        ``batch_axis``, the mesh set with ``jax.set_mesh``).
+      axes: the axis name(s) the rows are split over (None when single).
+      mesh: the (abstract) mesh of the explicit and auto kinds.
+      shards: how many ways the rows are split.
+    """
+
+    kind: str = "single"
+    axes: Any = None
+    mesh: Any = None
+    shards: int = 1
+
+    @property
+    def array_shards(self) -> int:
+        """Contiguous shards of the rows in one array as the program sees it.
+
+        ``shards`` under ``jit`` over a mesh; 1 for a single device and inside
+        ``shard_map``/``pmap``, where each device's program sees its own rows only.
+        """
+        return 1 if self.mesh is None else self.shards
+
+    @property
+    def sharding(self) -> NamedSharding | None:
+        """How a new batch-sized array is sharded under ``jit`` (None: not by gc_jax)."""
+        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec(self.axes))
+
+    def place(self, v: jax.Array, spec: PartitionSpec | None = None) -> jax.Array:
+        """``v`` laid out as ``spec`` (default: rows split like the batch) on the mesh.
+
+        Explicit axes: a ``reshard`` (the sharding is in the type); auto axes: a
+        sharding constraint; no mesh: ``v`` itself.
+        """
+        if self.mesh is None:
+            return v
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.axes) if spec is None else spec)
+        if self.kind == "explicit":
+            return jax.sharding.reshard(v, sharding)
+        return jax.lax.with_sharding_constraint(v, sharding)
+
+
+SINGLE = Layout()
+
+
+def _mesh_layout(mesh: Any, axes: Any) -> Layout:
+    names = _names(axes)
+    shards = math.prod(mesh.shape[a] for a in names)
+    explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+    return Layout("explicit" if explicit else "auto", axes, mesh, shards)
+
+
+def axis_layout(leaf: jax.Array, axis: int = 0) -> Layout | None:
+    """The layout of ``leaf``'s ``axis`` read from its type (explicit mesh axes), or None."""
     sharding = getattr(jax.typeof(leaf), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec and spec[0] is not None:
-        return sharding.mesh, spec[0]
+    spec = tuple(getattr(sharding, "spec", None) or ())
+    if axis < len(spec) and spec[axis] is not None:
+        return _mesh_layout(sharding.mesh, spec[axis])
     return None
 
 
-def _with_leading(leaf: jax.Array, mesh: Any, axes: Any) -> jax.Array:
-    """``leaf`` resharded so that its leading axis is split over ``axes`` (a free slice)."""
+def _with_leading(leaf: jax.Array, layout: Layout) -> jax.Array:
+    """``leaf`` resharded so that its leading axis is split like ``layout`` (a free slice)."""
     spec = tuple(getattr(jax.typeof(leaf).sharding, "spec", ()) or ())
     rest = spec[1:] + (None,) * (leaf.ndim - max(len(spec), 1))
-    return jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec(axes, *rest)))
+    return layout.place(leaf, PartitionSpec(layout.axes, *rest))
 
 
-def batch_sharding(
-    tree: PyTree, batch_axis: AxisName | None = None, name: str = "inputs"
-) -> tuple[PyTree, int, Any]:
-    """How the leading axis of ``tree`` is sharded under plain ``jit``.
+def _is_bound(axis_name: AxisName) -> bool:
+    """Whether ``axis_name`` is an axis of an enclosing ``shard_map``/``pmap``/``vmap``."""
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
 
-    Under explicit mesh axes this is read from the array types; leaves whose leading
-    axis is replicated are resharded like the sharded ones (each device keeps its
-    slice), so every leaf is cut the same way. Under auto axes the sharding is not in
-    the type, so ``batch_axis`` names the mesh axes the batch is sharded over, looked
-    up in the mesh set with ``jax.set_mesh``.
 
-    Returns:
-      ``(tree, num_shards, sharding)``: the tree (resharded where needed), the number
-      of shards of the leading axis, and a sharding that shards a new batch-sized
-      array the same way (None if unsharded).
+_CONTEXT: list[Layout] = []
+
+
+@contextlib.contextmanager
+def batch_layout(layout: Layout) -> Iterator[None]:
+    """The layout the losses assume for rows whose types say nothing (auto mesh axes).
+
+    ``cached_value_and_grad`` (and the forms built on it) call the loss inside this,
+    with the layout of the batch they were given, so a loss called without
+    ``axis_name`` on the cached representations under auto axes and ``batch_axis``
+    knows how its rows are split (see :func:`rows_layout`).
     """
+    _CONTEXT.append(layout)
+    try:
+        yield
+    finally:
+        _CONTEXT.pop()
+
+
+def rows_layout(x: jax.Array, axis_name: AxisName | None = None) -> Layout:
+    """How a loss's rows ``x`` lie across devices.
+
+    ``axis_name`` bound by ``shard_map``/``pmap``: manual. ``axis_name`` naming axes of
+    the mesh set with ``jax.set_mesh`` outside ``shard_map``: rows split over them,
+    under ``jit``. No ``axis_name``: explicit axes from ``x``'s type; else the layout
+    of the batch the core encoded (:func:`batch_layout`); else a single device.
+    """
+    if axis_name is not None:
+        if _is_bound(axis_name):
+            return Layout("manual", axis_name, None, jax.lax.axis_size(axis_name))
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or any(a not in mesh.axis_names for a in _names(axis_name)):
+            raise ValueError(
+                f"axis_name={axis_name!r} is neither an axis of an enclosing shard_map or "
+                f"pmap nor of the mesh set with jax.set_mesh (mesh axes: "
+                f"{() if mesh.empty else mesh.axis_names}). Call the loss inside "
+                "shard_map/pmap, or under `with jax.set_mesh(mesh):` with the batch's mesh "
+                "axes, or pass axis_name=None under jit over explicitly sharded rows."
+            )
+        return _mesh_layout(mesh, axis_name)
+    found = axis_layout(x)
+    if found is not None:
+        return found
+    if _CONTEXT and not varying_axes(x) and _CONTEXT[-1].mesh is not None:
+        return _CONTEXT[-1]
+    return SINGLE
+
+
+def layout_of(
+    tree: PyTree,
+    axis_name: AxisName | None = None,
+    batch_axis: AxisName | None = None,
+    name: str = "inputs",
+) -> tuple[PyTree, Layout]:
+    """How the leading axis of a batch ``tree`` is split, and the tree laid out so.
+
+    Inside ``pmap``/``shard_map`` (``axis_name`` given, or leaves varying over a manual
+    axis) every device holds its own rows: manual. Under plain ``jit`` explicit mesh
+    axes are read from the array types; leaves whose leading axis is replicated are
+    resharded like the sharded ones (each device keeps its slice), so every leaf is cut
+    the same way. Under auto axes the sharding is not in the type, so ``batch_axis``
+    names the mesh axes the batch is sharded over, looked up in the mesh set with
+    ``jax.set_mesh``.
+    """
+    if axis_name is not None or varying_axes_of(tree):
+        axes = axis_name if axis_name is not None else varying_axes_of(tree)
+        return tree, Layout("manual", axes, None, jax.lax.axis_size(axes))
     paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    found = {jax.tree_util.keystr(p): _leading_axes(x) for p, x in paths_leaves}
+    found = {jax.tree_util.keystr(p): axis_layout(x) for p, x in paths_leaves}
     sharded = {k: v for k, v in found.items() if v is not None}
-    if len({(m, a if isinstance(a, tuple) else (a,)) for m, a in sharded.values()}) > 1:
-        listing = ", ".join(f"{name}{k}: {a!r}" for k, (_, a) in sharded.items())
+    if len({(v.mesh, _names(v.axes)) for v in sharded.values()}) > 1:
+        listing = ", ".join(f"{name}{k}: {v.axes!r}" for k, v in sharded.items())
         raise ValueError(
             f"the leaves of {name} are sharded over different mesh axes along the batch "
             f"axis ({listing}); shard every leaf's leading axis the same way, e.g. with "
             "jax.device_put(x, NamedSharding(mesh, P('data')))."
         )
     if sharded:
-        mesh, axes = next(iter(sharded.values()))
+        layout = next(iter(sharded.values()))
         if len(sharded) < len(found):
-            fix = lambda x: x if _leading_axes(x) is not None else _with_leading(x, mesh, axes)
+            fix = lambda x: x if axis_layout(x) is not None else _with_leading(x, layout)
             tree = jax.tree.map(fix, tree)
     elif batch_axis is not None:
-        mesh, axes = jax.sharding.get_abstract_mesh(), batch_axis
-        names = axes if isinstance(axes, tuple) else (axes,)
-        if mesh.empty or any(a not in mesh.axis_names for a in names):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or any(a not in mesh.axis_names for a in _names(batch_axis)):
             raise ValueError(
                 f"batch_axis={batch_axis!r} must name axes of the current mesh; got mesh "
                 f"axes {() if mesh.empty else mesh.axis_names}. Call under "
                 "`with jax.set_mesh(mesh):`."
             )
+        layout = _mesh_layout(mesh, batch_axis)
     else:
-        return tree, 1, None
-    names = axes if isinstance(axes, tuple) else (axes,)
-    shards = math.prod(mesh.shape[a] for a in names)
+        return tree, SINGLE
     rows = paths_leaves[0][1].shape[0]
-    if rows % shards:
+    if rows % layout.shards:
         raise ValueError(
-            f"{name} has {rows} rows, which the {shards} shards of mesh axes {axes!r} do "
-            f"not divide; use a batch size that is a multiple of {shards}."
+            f"{name} has {rows} rows, which the {layout.shards} shards of mesh axes "
+            f"{layout.axes!r} do not divide; use a batch size that is a multiple of "
+            f"{layout.shards}."
         )
-    return tree, shards, NamedSharding(mesh, PartitionSpec(axes))
+    return tree, layout
 
 
 def reduce_grads(grads: PyTree, axis_name: AxisName | None) -> PyTree:
@@ -239,7 +363,11 @@ _COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "reduce_scatter", "ppermut
 
 
 def collective_axes(jaxpr: Any) -> set:
-    """The named axes that the collectives of ``jaxpr`` (and its inner jaxprs) run over."""
+    """The named axes that the collectives of ``jaxpr`` (and its inner jaxprs) run over.
+
+    A ``shard_map`` or ``pmap`` inside ``jaxpr`` binds its own axes (a loss under
+    sharded ``jit`` runs its ring in one): its collectives are not counted.
+    """
     from jax.extend import core as jex_core
 
     found: set = set()
@@ -249,6 +377,8 @@ def collective_axes(jaxpr: Any) -> set:
             value = value.jaxpr
         if isinstance(value, jex_core.Jaxpr):
             for eqn in value.eqns:
+                if eqn.primitive.name in ("shard_map", "xla_pmap"):
+                    continue  # its collectives run over the axes it binds itself
                 if any(c in eqn.primitive.name for c in _COLLECTIVES):
                     axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
                     found.update(a for a in _names(axes) if not isinstance(a, int))

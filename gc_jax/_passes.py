@@ -70,11 +70,8 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
     sharded over the mesh is cut so that every device encodes its rows of every chunk.
     """
     rows = _validation.leading_size(batch, batch_name)
-    if axis_name is not None or _distributed.varying_axes_of(batch):
-        plan = _chunking.make_plan(rows, chunk_size)
-    else:
-        batch, shards, sharding = _distributed.batch_sharding(batch, batch_axis, batch_name)
-        plan = _chunking.make_plan(rows, chunk_size, shards, sharding)
+    batch, layout = _distributed.layout_of(batch, axis_name, batch_axis, batch_name)
+    plan = _chunking.make_plan(rows, chunk_size, layout)
     wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
     return Input(encode, batch, plan, rng, wrt, policy, name)
 
@@ -294,12 +291,16 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
 def _for_input(i: int, step, acc: PyTree):
     """Applies input ``i``'s ``step(params, dx_i)`` to ``[dx_0, dx_1, ...]``.
 
-    The gradients come back typed like ``acc``, so every input's branch agrees.
+    The gradients come back typed like ``acc``, so every input's branch agrees
+    (an integer leaf's float0 gradient becomes zeros of the accumulator's dtype).
     """
+
+    def typed(a, g):
+        return jnp.zeros_like(a) if g.dtype == jax.dtypes.float0 else g.astype(a.dtype)
 
     def run(params, dxs):
         grads, dx = step(params, dxs[i])
-        grads = jax.tree.map(lambda a, g: g.astype(a.dtype), acc, grads)
+        grads = jax.tree.map(typed, acc, grads)
         return grads, [*dxs[:i], dx, *dxs[i + 1 :]]
 
     return run

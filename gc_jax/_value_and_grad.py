@@ -260,9 +260,10 @@ def cached_value_and_grad(
             reps += (cache,)
             kept.append(vjp)
 
-        loss, aux, acc, rep_grads = _loss_and_rep_grads(
-            loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
-        )
+        with _distributed.batch_layout(planned[0].plan.layout):  # for losses under auto axes
+            loss, aux, acc, rep_grads = _loss_and_rep_grads(
+                loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
+            )
         _check_named_axes(axis_name)  # after the loss's own axis check, which says more
         acc = jax.tree.map(lambda g: g.astype(_passes.wide(g.dtype)), acc)
         acc, _ = _passes.backward(planned, pparams, list(rep_grads), acc, tail_vjps=kept)

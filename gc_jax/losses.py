@@ -1,20 +1,47 @@
 """Contrastive losses for cached representations, local or across devices.
 
-*Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each loss
-gathers the other side, computes only this device's rows, and returns the *global*
-loss on every device with the gradient of this device's share (see
-``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects. Under
+*Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each device
+computes only its own rows' losses against every device's other side, and the loss
+returns the *global* loss on every device with the gradient of this device's share
+(see ``gc_jax.global_loss``), which is what ``cached_value_and_grad`` expects. Under
 ``shard_map`` the loss is typed replicated: return it with ``out_specs=P()``. Rows'
 gradients are this device's rows of the global gradient, and a replicated scalar
 (e.g. a temperature in ``in_specs=P()``) gets the global gradient. Under plain
-``jit`` over rows sharded with ``NamedSharding`` (explicit or auto mesh axes, with or
-without ``jax.set_mesh``), pass no ``axis_name``: the losses read the sharding from
-the rows' types and gather what every device needs.
+``jit`` over rows sharded with ``NamedSharding`` the losses read the layout from the
+rows' types (explicit mesh axes); under auto mesh axes pass ``axis_name`` naming the
+batch's mesh axis (with ``jax.set_mesh``), or nothing inside ``cached_value_and_grad``
+/ ``make_train_step`` with ``batch_axis``, which tell the loss (see
+``gc_jax._distributed.rows_layout``).
+
+*Two forms across devices* (``method=``):
+
+* ``"gather"``: every device all-gathers the other side (``all_gather``, which
+  transposes to a reduce-scatter). Under sharded ``jit`` the compiler replicates the
+  rows instead and every device computes the whole loss. Per-device memory grows
+  with the *global* batch.
+* ``"ring"`` (``gc_jax._ring``): each device keeps its rows; the other side's blocks
+  travel around the devices with ``ppermute`` (the next block is sent while this one
+  is computed), with an online log-sum-exp for the softmax losses and a backward on
+  the ring that carries each block's gradient home. Nothing batch-sized is gathered
+  in either direction, and per-device memory follows the *per-device* batch, whatever
+  the number of devices. Under sharded ``jit`` the loss runs its ring inside a
+  ``shard_map`` over the batch's mesh axes.
+* ``"auto"`` (the default): the ring when the rows are split over more than one
+  device and the gather form would hold more than 64 MiB of gathered rows per device
+  (``_GATHER_BYTES``; e.g. 43,690 rows of 768-d bfloat16 for ``contrastive_loss``,
+  both sides for ``clip_loss``); the gather form below that, where the ring's
+  ``P`` sequential steps would cost more than its memory saves.
 
 With ``block_size`` the logits are computed in ``block_size x block_size`` tiles,
 forward and backward, and never held whole (see ``gc_jax._blockwise``): memory
 grows with ``rows * dim`` instead of ``rows**2``. Values and gradients match the
-dense computation up to float rounding.
+dense computation up to float rounding. In the ring, ``block_size`` tiles each
+travelling block (without it, each travelling block is one tile).
+
+*Forward mode*: a loss with ``block_size`` (or in ring form) is a ``jax.custom_vjp``,
+so ``jax.jvp`` and ``jax.jacfwd`` do not go through it (JAX raises); reverse mode
+(``jax.grad``, ``jax.vjp``) does. Without ``block_size``, in the gather form, it is
+plain JAX and supports both.
 
 *Precision*: logits and losses are accumulated in at least float32. Rows in bfloat16
 or float16 are never cast whole (each matrix product accumulates in float32); the
@@ -24,6 +51,7 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -32,10 +60,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax import _blockwise, _distributed, _validation
+from gc_jax import _blockwise, _distributed, _ring, _validation
 from gc_jax._base import AxisName
 
 _REDUCTIONS = ("mean", "sum", "none")
+_METHODS = ("auto", "ring", "gather")
+_GATHER_BYTES = 64 * 2**20
+"""``method="auto"`` gathers while the gathered inputs take at most this much per device."""
 
 
 def _check_pair(x: jax.Array, y: jax.Array, multiple: bool) -> int:
@@ -76,6 +107,16 @@ def _check_block(block_size: Any) -> int | None:
     return None if block_size is None else _validation.positive_int(block_size, "block_size")
 
 
+def _check_method(method: Any) -> str:
+    if method not in _METHODS:
+        raise ValueError(
+            f"method must be one of {_METHODS}, got {method!r}: 'ring' passes the other "
+            "side's blocks around the devices (memory flat in the number of devices), "
+            "'gather' all-gathers it, 'auto' picks (see gc_jax.losses)."
+        )
+    return method
+
+
 def _targets(rows: int, k: int, axis_name: AxisName | None) -> jax.Array:
     """Index into the gathered other side of each local row's positive (``k`` per query)."""
     offset = 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
@@ -107,12 +148,12 @@ def _resharded(v: jax.Array, spec: P) -> jax.Array:
 
 
 def _layout(x: jax.Array, ys: jax.Array, block_size: int | None) -> tuple[jax.Array, jax.Array]:
-    """Replicates what each device needs under ``jit`` over explicit mesh axes.
+    """The gather form under ``jit`` over explicit mesh axes: replicates what each device needs.
 
     Every device scores its rows of ``x`` (whole rows: an embedding dim sharded over
     another axis is gathered) against all of ``ys``. The blockwise loops also need all
-    of ``x``, so they run whole on every device: to split them, use ``axis_name`` under
-    ``shard_map``. Without explicit sharding this is a no-op.
+    of ``x``, so they run whole on every device. Without explicit sharding this is a
+    no-op.
     """
     rows = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or (None,)
     x = _resharded(x, P() if block_size is not None else P(rows[0], None))
@@ -125,22 +166,57 @@ def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
     return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
 
 
-def _row_ce(x, ys, targets, scale, block_size: int | None) -> jax.Array:
-    """Per-row ``-log softmax(scale * x @ ys.T)[targets]``, dense or blockwise."""
+def _rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
+    """Per-row losses of this device's ``x`` against every device's ``y``, ring or gathered."""
+    n = x.shape[0]
+    if ring:
+        block = block_size or max(n, y.shape[0])  # dense: one tile per travelling block
+        return _ring.rows(kind, x, y, jnp.arange(n) * k, scale, bias, block, axis_name)
+    ys = _gather(y, axis_name)
+    targets = _targets(n, k, axis_name)
     x, ys = _layout(x, ys, block_size)
     if block_size is not None:
-        return _blockwise.softmax_cross_entropy(x, ys, targets, scale, block_size)
-    return optax.losses.softmax_cross_entropy_with_integer_labels(_logits(x, ys, scale), targets)
-
-
-def _row_sigmoid(x, ys, targets, scale, bias, block_size: int | None) -> jax.Array:
-    """Per-row sum of ``-log sigmoid(label * (scale * x @ ys.T + bias))``."""
-    x, ys = _layout(x, ys, block_size)
-    if block_size is not None:
-        return _blockwise.sigmoid_rows(x, ys, targets, scale, bias, block_size)
+        return _blockwise._call(kind, x, ys, targets, scale, bias, block_size)
     logits = _logits(x, ys, scale, bias)
+    if kind is _blockwise._Softmax:
+        return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
     labels = 2.0 * jax.nn.one_hot(targets, ys.shape[0], dtype=logits.dtype) - 1.0
     return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
+
+
+def _use_ring(method: str, layout: _distributed.Layout, gathered: int) -> bool:
+    """The automatic rule: the ring once the gathered side would exceed ``_GATHER_BYTES``."""
+    if method != "auto":
+        return method == "ring"
+    return layout.shards > 1 and gathered > _GATHER_BYTES
+
+
+def _run(local, x, y, scalars, *, reduction, method, axis_name, sides):
+    """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
+
+    ``sides``: the inputs each device would gather in the gather form (their size
+    decides ``method="auto"``). Under ``jit`` over a mesh (explicit axes read from the
+    types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the core's
+    ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
+    """
+    layout = _distributed.rows_layout(x, axis_name)
+    here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
+    gathered = layout.shards * here  # what every device would hold in the gather form
+    ring = _use_ring(method, layout, gathered)
+    if layout.kind in ("single", "manual"):
+        return local(x, y, *scalars, axis_name=layout.axes, ring=ring and layout.shards > 1)
+    if not ring:  # gathered whole by the compiler, from the sharding in the types
+        return local(x, y, *scalars, axis_name=None, ring=False)
+    rows = P(layout.axes, None)
+    out = P(layout.axes) if reduction == "none" else P()
+    f = jax.shard_map(
+        functools.partial(local, axis_name=layout.axes, ring=True),
+        mesh=layout.mesh,
+        in_specs=(rows, rows, *[P()] * len(scalars)),
+        out_specs=out,
+    )
+    scalars = [jnp.asarray(v, jnp.result_type(v, jnp.float32)) for v in scalars]
+    return f(layout.place(x, rows), layout.place(y, rows), *scalars)
 
 
 def contrastive_loss(
@@ -151,6 +227,7 @@ def contrastive_loss(
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
+    method: str = "auto",
 ) -> jax.Array:
     """InfoNCE of each query row of ``x`` against every row of ``y``.
 
@@ -166,8 +243,11 @@ def contrastive_loss(
         per-query losses of this device's rows.
       block_size: if set, compute the loss and its gradient in tiles of this many
         rows of each side, never materialising the ``[n, n * k]`` logits.
-      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather ``y``
-        over, or None (also under ``jit`` over sharded rows).
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a mesh axis
+        of ``jax.set_mesh`` under ``jit``), or None (also under ``jit`` over rows
+        sharded over explicit mesh axes).
+      method: ``"auto"``, ``"ring"`` or ``"gather"``: how the rows of other devices
+        are reached (see the module docstring); the same values either way.
 
     Returns:
       The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
@@ -208,14 +288,28 @@ def contrastive_loss(
       >>> want = jax.jit(jax.value_and_grad(full, argnums=(0, 1, 2)))(x, y, 0.5)
       >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
       True
+
+      The ring form: ``y``'s blocks travel around the devices, nothing is gathered.
+
+      >>> def ring(x, y, t):
+      ...     return contrastive_loss(x, y, temperature=t, axis_name="data", method="ring")
+      >>> f = jax.jit(jax.shard_map(jax.value_and_grad(ring, argnums=(0, 1, 2)), mesh=mesh,
+      ...     in_specs=(P("data"), P("data"), P()), out_specs=(P(), (P("data"), P("data"), P()))))
+      >>> got = f(jax.device_put(x, rows), jax.device_put(y, rows), 0.5)
+      >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
+      True
     """
     _check_reduction(reduction)
-    block_size = _check_block(block_size)
+    block_size, method = _check_block(block_size), _check_method(method)
     k = _check_pair(x, y, multiple=True)
-    n = x.shape[0]
-    targets = _targets(n, k, axis_name)
-    per_row = _row_ce(x, _gather(y, axis_name), targets, 1.0 / temperature, block_size)
-    return _reduce(per_row, n * _num_devices(axis_name), reduction, axis_name)
+
+    def local(x, y, temperature, *, axis_name, ring):
+        scale = 1.0 / temperature
+        per_row = _rows(_blockwise._Softmax, x, y, k, scale, 0.0, block_size, axis_name, ring)
+        return _reduce(per_row, len(x) * _num_devices(axis_name), reduction, axis_name)
+
+    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
+    return _run(local, x, y, (temperature,), sides=(y,), **kw)
 
 
 def clip_loss(
@@ -226,6 +320,7 @@ def clip_loss(
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
+    method: str = "auto",
 ) -> jax.Array:
     """Symmetric CLIP loss: the mean of image-to-text and text-to-image InfoNCE.
 
@@ -238,9 +333,12 @@ def clip_loss(
         the per-pair losses of this device's rows.
       block_size: if set, compute both directions and their gradients in tiles of
         this many rows of each side, never materialising the ``[n, n]`` logits.
-      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather over, or
-        None (also under ``jit`` over sharded rows); each device scores its ``x`` rows
-        against the gathered ``y`` and its ``y`` rows against the gathered ``x``.
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a mesh axis
+        of ``jax.set_mesh`` under ``jit``), or None (also under ``jit`` over rows
+        sharded over explicit mesh axes); each device scores its ``x`` rows against
+        every ``y`` and its ``y`` rows against every ``x``.
+      method: ``"auto"``, ``"ring"`` or ``"gather"``: how the rows of other devices
+        are reached (see the module docstring); the same values either way.
 
     Returns:
       The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
@@ -257,14 +355,20 @@ def clip_loss(
       True
     """
     _check_reduction(reduction)
-    block_size = _check_block(block_size)
+    block_size, method = _check_block(block_size), _check_method(method)
     _check_pair(x, y, multiple=False)
-    n = x.shape[0]
-    scale = jnp.exp(logit_scale)
-    targets = _targets(n, 1, axis_name)
-    x_to_y = _row_ce(x, _gather(y, axis_name), targets, scale, block_size)
-    y_to_x = _row_ce(y, _gather(x, axis_name), targets, scale, block_size)
-    return _reduce((x_to_y + y_to_x) / 2, n * _num_devices(axis_name), reduction, axis_name)
+
+    def local(x, y, logit_scale, *, axis_name, ring):
+        scale, kind = jnp.exp(logit_scale), _blockwise._Softmax
+        rows = lambda a, b: _rows(kind, a, b, 1, scale, 0.0, block_size, axis_name, ring)
+        x_to_y = rows(x, y)
+        if ring:  # one ring at a time, forward and backward (else both hold their buffers)
+            x_to_y, x, y = jax.lax.optimization_barrier((x_to_y, x, y))
+        per_row = (x_to_y + rows(y, x)) / 2
+        return _reduce(per_row, len(x) * _num_devices(axis_name), reduction, axis_name)
+
+    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
+    return _run(local, x, y, (logit_scale,), sides=(x, y), **kw)
 
 
 def sigmoid_loss(
@@ -276,6 +380,7 @@ def sigmoid_loss(
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
+    method: str = "auto",
 ) -> jax.Array:
     """SigLIP's pairwise sigmoid loss.
 
@@ -292,8 +397,11 @@ def sigmoid_loss(
         ``"none"`` for the per-row sums of this device's rows.
       block_size: if set, compute the loss and its gradient in tiles of this many
         rows of each side, never materialising the ``[n, n]`` logits.
-      axis_name: the data-parallel axis of ``shard_map``/``pmap`` to gather ``y``
-        over, or None (also under ``jit`` over sharded rows).
+      axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a mesh axis
+        of ``jax.set_mesh`` under ``jit``), or None (also under ``jit`` over rows
+        sharded over explicit mesh axes).
+      method: ``"auto"``, ``"ring"`` or ``"gather"``: how the rows of other devices
+        are reached (see the module docstring); the same values either way.
 
     Returns:
       The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
@@ -311,10 +419,14 @@ def sigmoid_loss(
       True
     """
     _check_reduction(reduction)
-    block_size = _check_block(block_size)
+    block_size, method = _check_block(block_size), _check_method(method)
     _check_pair(x, y, multiple=False)
-    n = x.shape[0]
-    targets = _targets(n, 1, axis_name)
-    scale = jnp.exp(logit_scale)
-    per_row = _row_sigmoid(x, _gather(y, axis_name), targets, scale, logit_bias, block_size)
-    return _reduce(per_row, n * _num_devices(axis_name), reduction, axis_name)
+
+    def local(x, y, logit_scale, logit_bias, *, axis_name, ring):
+        scale = jnp.exp(logit_scale)
+        kind = _blockwise._Sigmoid
+        per_row = _rows(kind, x, y, 1, scale, logit_bias, block_size, axis_name, ring)
+        return _reduce(per_row, len(x) * _num_devices(axis_name), reduction, axis_name)
+
+    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
+    return _run(local, x, y, (logit_scale, logit_bias), sides=(y,), **kw)

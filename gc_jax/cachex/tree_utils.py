@@ -18,12 +18,11 @@ Examples:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 
-from gc_jax import _validation
+from gc_jax import _distributed, _validation
 from gc_jax._base import PyTree
 
 
@@ -46,12 +45,7 @@ def _leaves(tree: PyTree, name: str) -> list:
 
 def _explicit_shards(leaf: Any, axis: int) -> int:
     """How many ways ``leaf``'s ``axis`` is sharded in its type (explicit mesh axes)."""
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
-    spec = tuple(getattr(sharding, "spec", None) or ())
-    if axis >= len(spec) or spec[axis] is None:
-        return 1
-    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
-    return math.prod(sharding.mesh.shape[n] for n in names)
+    return (_distributed.axis_layout(leaf, axis) or _distributed.SINGLE).shards
 
 
 def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:

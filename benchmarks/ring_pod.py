@@ -1,0 +1,220 @@
+"""Per-chip memory and collectives of the loss step on TPU v5e slices: gather vs ring.
+
+Compile only (libtpu's compile-only TPU devices; nothing runs, see
+``/work/shared/reference/tpu-compile-only.md``). The step is the loss part of a
+gradient-cache step: the representations are its inputs (``[B, 768]`` bfloat16,
+sharded over every chip of the slice under ``jit`` with explicit mesh axes), and it
+returns the loss and its gradients with respect to both representations and the
+loss's scalars (temperature, logit scale and bias), with ``block_size=4096``.
+
+For each loss (``contrastive``, ``clip``, ``sigmoid``), form (``method="gather"``:
+all-gather the other side, today's form; ``method="ring"``: gc_jax's ring) and slice
+(v5e 4x4 = 16 chips, 8x8 = 64, 16x16 = 256), it compiles two batches: a fixed
+per-chip batch (65,536 rows per chip, so global 2^20 .. 2^24) and a fixed global
+batch (2^20). It prints XLA's per-chip temporary memory (when the program does not
+fit in a v5e's 15.75 GiB the compiler refuses it and the figure is read from its
+message) and the collectives of the optimised HLO: how many of each kind, and the
+largest all-gather in bytes (a batch-sized all-gather is the gather form's cost).
+
+Usage::
+
+    python benchmarks/ring_pod.py                   # the full table, JSON and plot
+    python benchmarks/ring_pod.py --chips 16 --losses contrastive   # one point
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gc_jax
+
+GIB = 2**30
+HBM = 15.75 * GIB  # what a v5e chip offers a program
+TOPOLOGIES = {16: "v5e:4x4", 64: "v5e:8x8", 256: "v5e:16x16"}
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--chips", type=int, nargs="+", default=sorted(TOPOLOGIES))
+    p.add_argument("--losses", nargs="+", default=["contrastive", "clip", "sigmoid"])
+    p.add_argument("--methods", nargs="+", default=["gather", "ring"])
+    p.add_argument("--per-chip", type=int, default=65_536)
+    p.add_argument("--global-batch", type=int, default=2**20)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--block", type=int, default=4096)
+    p.add_argument("--json", type=Path, default=HERE / "results" / "ring_pod.json")
+    p.add_argument("--plot", type=Path, default=HERE / "plots" / "ring_pod.png")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these points in the existing JSON (each keeps its commit)",
+    )
+    return p.parse_args(argv)
+
+
+def mesh_of(chips: int) -> Mesh:
+    topo = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=TOPOLOGIES[chips],
+        chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1),
+        num_slices=1,
+        wrap=(False, False, False),
+    )
+    return Mesh(np.array(topo.devices), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def step_of(loss: str, method: str, block: int):
+    """``(x, y, *scalars) -> (loss, grads of x, y and every scalar)``."""
+    losses = gc_jax.losses
+    fn, scalars = {
+        "contrastive": (lambda x, y, t, **kw: losses.contrastive_loss(x, y, temperature=t, **kw),
+                        (0.05,)),
+        "clip": (losses.clip_loss, (np.log(1 / 0.07),)),
+        "sigmoid": (losses.sigmoid_loss, (np.log(10.0), -10.0)),
+    }[loss]  # fmt: skip
+    fn = functools.partial(fn, block_size=block, method=method)
+    return jax.value_and_grad(fn, tuple(range(2 + len(scalars)))), scalars
+
+
+_COLLECTIVE = re.compile(
+    r"= (.*) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(-start)?\("
+)
+_SHAPE = re.compile(r"(bf16|f32|s32|u32|f16|pred|u8|s8)\[([0-9,]*)\]")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "u8": 1, "s8": 1}
+
+
+def collectives(hlo: str) -> dict:
+    """Counts of each collective in the optimised HLO, and the largest all-gather's bytes."""
+    counts: dict = {}
+    largest_gather = 0
+    for shape, kind, _ in _COLLECTIVE.findall(hlo):
+        counts[kind] = counts.get(kind, 0) + 1
+        if kind == "all-gather":
+            size = max(
+                (_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                 for t, dims in _SHAPE.findall(shape)),
+                default=0,
+            )  # fmt: skip
+            largest_gather = max(largest_gather, size)
+    return {"counts": counts, "largest_all_gather_bytes": largest_gather}
+
+
+def compile_point(loss: str, method: str, chips: int, batch: int, dim: int, block: int) -> dict:
+    mesh = mesh_of(chips)
+    rows = NamedSharding(mesh, P("data"))
+    step, scalars = step_of(loss, method, block)
+    x = jax.ShapeDtypeStruct((batch, dim), jnp.bfloat16, sharding=rows)
+    s = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))] * len(scalars)
+    start = time.perf_counter()
+    out = {"loss": loss, "method": method, "chips": chips, "batch": batch,
+           "per_chip": batch // chips}  # fmt: skip
+    try:
+        compiled = jax.jit(step).lower(x, x, *s).compile()
+    except Exception as e:  # the compiler refuses a program that does not fit
+        found = re.search(r"HLO temporaries \(([0-9.]+)([GMK])\)", str(e))
+        if not found:
+            raise
+        unit = {"G": GIB, "M": 2**20, "K": 2**10}[found.group(2)]
+        out.update(fits=False, temp_bytes=float(found.group(1)) * unit)
+    else:
+        m = compiled.memory_analysis()
+        out.update(fits=True, temp_bytes=m.temp_size_in_bytes,
+                   argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                   **collectives(compiled.as_text()))  # fmt: skip
+    out["compile_s"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def plot(results: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (title, pick) in zip(axes, [
+        (f"fixed per-chip batch ({args.per_chip:,} rows per chip)",
+         lambda r: r["per_chip"] == args.per_chip),
+        (f"fixed global batch ({args.global_batch:,} rows)",
+         lambda r: r["batch"] == args.global_batch),
+    ], strict=True):  # fmt: skip
+        for loss in dict.fromkeys(r["loss"] for r in results):
+            for method, style in (("gather", "--"), ("ring", "-")):
+                mine = [r for r in results if r["loss"] == loss and r["method"] == method]
+                pts = sorted((r["chips"], r["temp_bytes"] / GIB) for r in mine if pick(r))
+                if pts:
+                    chips, gib = zip(*pts, strict=True)
+                    ax.plot(chips, gib, style, marker="o", label=f"{loss}, {method}")
+        ax.axhline(HBM / GIB, color="grey", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="v5e chips", title=title)
+        chips = sorted({r["chips"] for r in results})
+        ax.set_xticks(chips, [str(c) for c in chips])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes[0].set_ylabel("per-chip temp memory (GiB), TPU compiler")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.json.read_text())["results"], args, args.plot)
+        return
+    points = []
+    for chips in args.chips:
+        for batch in dict.fromkeys([args.per_chip * chips, args.global_batch]):
+            for loss in args.losses:
+                for method in args.methods:
+                    points.append((loss, method, chips, batch))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=HERE).stdout.strip()  # fmt: skip
+    results = []
+    for loss, method, chips, batch in points:
+        r = compile_point(loss, method, chips, batch, args.dim, args.block)
+        r["commit"] = commit
+        results.append(r)
+        print(
+            f"{loss:12s} {method:6s} chips={chips:4d} batch=2^{int(np.log2(batch)):2d} "
+            f"per-chip={batch // chips:7d} temp={r['temp_bytes'] / GIB:7.2f} GiB "
+            f"fits={r['fits']!s:5s} {r.get('counts', '')} "
+            f"largest all-gather={r.get('largest_all_gather_bytes', '-')} B "
+            f"({r['compile_s']} s)",
+            flush=True,
+        )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/ring_pod.py " + " ".join(sys.argv[1:])
+    meta = {"commands": [command], "jax": jax.__version__, "dim": args.dim,
+            "block_size": args.block}  # fmt: skip
+    if args.update:
+        old = json.loads(args.json.read_text())
+        key = lambda r: (r["loss"], r["method"], r["chips"], r["batch"])
+        new = {key(r) for r in results}
+        results = [r for r in old["results"] if key(r) not in new] + results
+        meta["commands"] = [*old["meta"]["commands"], command]
+    args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, args, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
