@@ -13,6 +13,7 @@ from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
 from gc_jax._grad_cache import GradCache
+from gc_jax._token_chunks import TokenBudget
 from gc_jax._train_step import (
     DynamicLossScale,
     make_train_step,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DynamicLossScale",
     "GradCache",
+    "TokenBudget",
     "cached_value_and_grad",
     "cachex",
     "chunked_encoder",

@@ -158,7 +158,7 @@ def chunked_encoder(
       True
     """
     _validation.callable_arg(encode, "encode")
-    chunk_size = _validation.positive_int(chunk_size, "chunk_size")
+    chunk_size = _validation.chunk_size(chunk_size, "chunk_size")
     if policy is not None:
         _validation.callable_arg(policy, "policy")
     config = _Config(encode, chunk_size, policy, batch_axis)

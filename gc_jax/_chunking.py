@@ -86,11 +86,15 @@ def _span(plan: ChunkPlan, index: jax.Array | None) -> tuple[Any, int]:
 
 def rows_of(plan: ChunkPlan, index: Any) -> int:
     """Rows per shard of chunk ``index`` (None: the tail)."""
+    if not isinstance(plan, ChunkPlan):  # another plan (gc_jax._token_chunks) cuts itself
+        return plan.rows_of(index)
     return plan.tail_size if index is None else plan.chunk_size
 
 
 def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
     """Chunk ``index`` of every leaf (a traced body index), or the tail if None."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.take(tree, index)
     start, size = _span(plan, index)
 
     def one(x):
@@ -102,6 +106,8 @@ def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTre
 
 def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
     """Writes ``chunk`` into the rows of chunk ``index`` (or the tail) of ``buffer``."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.put(buffer, chunk, index)
     start, size = _span(plan, index)
 
     def write(buf, piece):
@@ -116,6 +122,20 @@ def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None 
         return write(buf, piece)
 
     return jax.tree.map(one, buffer, chunk)
+
+
+def take_cotangent(tree: PyTree, plan: ChunkPlan, index: Any = None) -> PyTree:
+    """Chunk ``index`` of a representation gradient (zero on a plan's padding rows)."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.take_cotangent(tree, index)
+    return take(tree, plan, index)
+
+
+def number(plan: ChunkPlan, index: Any) -> Any:
+    """Chunk ``index``'s number in the batch, folded into its key (the tail: ``num_body``)."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.number(index)
+    return plan.num_body if index is None else index
 
 
 def chunk_key(rng: jax.Array | None, input_index: int, chunk_index) -> jax.Array | None:

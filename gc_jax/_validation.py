@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from gc_jax._base import PyTree
+from gc_jax._token_chunks import TokenBudget
 
 
 def _is_int(value: Any) -> bool:
@@ -22,6 +23,11 @@ def positive_int(value: Any, name: str) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value}.")
     return int(value)
+
+
+def chunk_size(value: Any, name: str) -> int | TokenBudget:
+    """A ``chunk_size``: a positive int (rows) or a :class:`gc_jax.TokenBudget`."""
+    return value if isinstance(value, TokenBudget) else positive_int(value, name)
 
 
 def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str], Any]) -> tuple:
@@ -44,9 +50,9 @@ def chunk_sizes(value: Any) -> None:
                 "chunk_size is an empty sequence; expected one positive int per input."
             )
         for i, v in enumerate(value):
-            positive_int(v, f"chunk_size[{i}]")
+            chunk_size(v, f"chunk_size[{i}]")
     else:
-        positive_int(value, "chunk_size")
+        chunk_size(value, "chunk_size")
 
 
 def callable_arg(value: Any, name: str) -> Callable:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _passes, _validation
+from gc_jax import _chunking, _distributed, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
@@ -224,6 +224,8 @@ def _kept_vjps(plan: list[_passes.Input]) -> tuple[bool, bool]:
     encoding with its first (common-subexpression elimination), which keeps the
     chunk's activations from pass 1 next to the kept ones.
     """
+    if not all(isinstance(inp.plan, _chunking.ChunkPlan) for inp in plan):
+        return False, False  # token-budget chunks: traced chunk counts, nothing kept
     chunks = sum(inp.plan.num_body + 1 for inp in plan)
     return chunks == len(plan), chunks >= 3
 
@@ -232,7 +234,7 @@ def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_p
     """One planned :class:`_passes.Input` per batch; input ``i``'s keys fold in ``i`` first."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-    sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+    sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.chunk_size)
     return [
         _passes.make_input(
             e,
