@@ -18,6 +18,7 @@ nothing. The cache stays one batch-sized array in the batch's own row order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -77,7 +78,7 @@ class TokenBudget:
             )
         for i, b in enumerate(buckets):
             _positive(f"buckets[{i}]", b)
-        if any(a >= b for a, b in zip(buckets, buckets[1:], strict=False)):
+        if any(a >= b for a, b in itertools.pairwise(buckets)):
             raise ValueError(
                 f"TokenBudget buckets must increase strictly, got {buckets}; pass them "
                 f"sorted without repeats, e.g. {tuple(sorted(set(buckets)))}."
@@ -98,7 +99,7 @@ class TokenBudget:
                 f"longer than every bucket. Add {padded_length} to buckets, or pad and "
                 f"truncate the batch to at most {self.buckets[-1]} tokens."
             )
-        return tuple(b for b in self.buckets if b < padded_length) + (padded_length,)
+        return (*(b for b in self.buckets if b < padded_length), padded_length)
 
     def chunk_shapes(self, padded_length: int, rows: int) -> tuple[tuple[int, int], ...]:
         """``(rows, tokens)`` of each bucket's chunks: the shapes compiled, one per bucket.

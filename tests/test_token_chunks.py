@@ -256,7 +256,7 @@ def test_budget_smaller_than_a_row_of_the_longest_bucket():
 def test_padded_length_longer_than_the_largest_bucket():
     budget = gc_jax.TokenBudget(64, (4, 8))
     grad_fn = gc_jax.cached_value_and_grad(loss_fn, towers(True), budget)
-    with pytest.raises(ValueError, match="padded to 16 tokens but the largest bucket.*Add 16"):
+    with pytest.raises(ValueError, match=r"padded to 16 tokens but the largest bucket.*Add 16"):
         jax.jit(grad_fn)(make_params(), text_batch(4, "short", 0), text_batch(4, "short", 1))
 
 
