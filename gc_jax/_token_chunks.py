@@ -7,12 +7,15 @@ Each bucket is a padded length ``len_b`` (e.g. 32, 64, 128, 256); its chunks hol
 
 Everything works under ``jax.jit``, where the lengths are traced data: each row's
 bucket is the smallest one that holds its tokens; a stable ``argsort`` of the rows by
-bucket gives the order in which they are encoded; bucket ``b``'s number of chunks is
-traced, so each bucket runs a loop with a traced trip count (the passes never
-differentiate through their loops). A chunk gathers its rows of that order; the last
-chunk of a bucket is filled up with rows of the same bucket again (*padding rows*),
-whose representations are not written and whose cotangent is zero, so they add
-nothing. The cache stays one batch-sized array in the batch's own row order.
+bucket gives the order in which they are encoded. Each bucket encodes as many *full*
+chunks of its rows as it has; the rows left over (fewer than a chunk) move up to the
+next bucket, whose chunks are longer, so only the longest bucket has a partial last
+chunk. The number of chunks of a bucket is traced, so each bucket runs a loop with a
+traced trip count (the passes never differentiate through their loops). A chunk
+gathers its rows of that order; the last chunk is filled up with the batch's last
+rows again (*padding rows*), whose representations are not written and whose
+cotangent is zero, so they add nothing. The cache stays one batch-sized array in the
+batch's own row order.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ class BucketChunk(NamedTuple):
 
 
 class TokenPlan(NamedTuple):
-    """How one batch is cut by a token budget (``order``, ``counts``, ... are traced).
+    """How one batch is cut by a token budget (``order``, ``starts``, ... are traced).
 
     Attributes:
       batch_size: total rows ``B``.
@@ -141,8 +144,8 @@ class TokenPlan(NamedTuple):
       lengths: each bucket's padded length (the last is ``L``).
       rows: rows per shard of each bucket's chunks.
       order: ``[S, B / S]``: the rows of each shard, stably sorted by bucket.
-      counts: ``[S, buckets]``: rows of each bucket in each shard.
-      starts: ``[S, buckets]``: where each bucket starts in ``order``.
+      starts: ``[S, buckets]``: where each bucket's chunks start in ``order``.
+      ends: ``[S, buckets]``: where they end (every row before it fits the bucket).
       trips: ``[buckets]``: chunks of each bucket (the most any shard needs).
       sharding: how new batch-sized arrays are sharded, or None.
     """
@@ -153,8 +156,8 @@ class TokenPlan(NamedTuple):
     lengths: tuple[int, ...]
     rows: tuple[int, ...]
     order: jax.Array
-    counts: jax.Array
     starts: jax.Array
+    ends: jax.Array
     trips: jax.Array
     sharding: Any = None
 
@@ -177,10 +180,9 @@ class TokenPlan(NamedTuple):
         """``[S, rows]`` row numbers (within each shard) of the chunk, and which are real."""
         b, size = index.bucket, self.rows[index.bucket]
         pos = index.turn * size + jnp.arange(size)
-        count = self.counts[:, b : b + 1]
-        valid = pos[None, :] < count
-        # Padding rows repeat the bucket's own rows, so they are as well-formed as real ones.
-        at = self.starts[:, b : b + 1] + jnp.minimum(pos[None, :], jnp.maximum(count - 1, 0))
+        at = self.starts[:, b : b + 1] + pos[None, :]
+        valid = at < self.ends[:, b : b + 1]
+        at = jnp.minimum(at, self.order.shape[1] - 1)  # padding rows: the last rows again
         return jnp.take_along_axis(self.order, at, axis=1), valid
 
     def _trimmed(self, x: jax.Array) -> bool:
@@ -317,8 +319,25 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str, num_shards: int = 1
     # The first bucket that holds the row: the number of buckets shorter than it.
     bucket = jnp.minimum(jnp.sum(length[..., None] > jnp.asarray(lengths), -1), len(lengths) - 1)
     order = jnp.argsort(bucket, axis=1, stable=True)
-    counts = jnp.sum(bucket[..., None] == jnp.arange(len(lengths)), axis=1)
-    starts = jnp.cumsum(counts, axis=1) - counts
-    trips = jnp.max(-(-counts // jnp.asarray(rows)), axis=0)
-    return TokenPlan(batch_size, num_shards, padded, lengths, rows, order, counts, starts, trips,
+    starts, ends, trips = _spans(bucket, rows)
+    return TokenPlan(batch_size, num_shards, padded, lengths, rows, order, starts, ends, trips,
                      sharding)  # fmt: skip
+
+
+def _spans(bucket: jax.Array, rows: tuple[int, ...]):
+    """Each bucket's span of the sorted rows: its full chunks, the leftover rows moved up.
+
+    With the rows sorted by bucket, bucket ``b`` takes, from where ``b - 1`` stopped, as
+    many full chunks as the rows that fit it (bucket ``b`` or shorter) allow; the last
+    bucket takes every row left, its last chunk partial.
+    """
+    fits = jnp.sum(bucket[..., None] <= jnp.arange(len(rows)), axis=1)  # [S, b]: rows <= b
+    start, starts, ends = jnp.zeros_like(fits[:, 0]), [], []
+    for b, size in enumerate(rows):
+        end = bucket.shape[1] if b == len(rows) - 1 else start + (fits[:, b] - start) // size * size
+        starts.append(start)
+        ends.append(jnp.broadcast_to(end, start.shape))
+        start = ends[-1]
+    starts, ends = jnp.stack(starts, 1), jnp.stack(ends, 1)
+    trips = jnp.max(-(-(ends - starts) // jnp.asarray(rows)), axis=0)
+    return starts, ends, trips

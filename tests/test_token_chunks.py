@@ -172,17 +172,18 @@ def reference_with_dropout(loss, encoders, budget, params, *inputs, rng):
         lengths = np.asarray(x["attention_mask"]).sum(1)
         shapes = budget.chunk_shapes(x["input_ids"].shape[1], len(lengths))
         bucket = np.minimum(np.searchsorted([n for _, n in shapes], lengths), len(shapes) - 1)
-        out, number = [None] * len(lengths), 0
-        for b, (rows, n) in enumerate(shapes):
-            members = np.flatnonzero(bucket == b)
-            for start in range(0, len(members), rows):
-                take = members[np.minimum(np.arange(start, start + rows), len(members) - 1)]
+        order, out, number, start = np.argsort(bucket, stable=True), {}, 0, 0
+        for b, (rows, n) in enumerate(shapes):  # full chunks; leftover rows move up
+            fits = np.sum(bucket <= b)
+            end = len(order) if b == len(shapes) - 1 else start + (fits - start) // rows * rows
+            for first in range(start, end, rows):
+                take = order[np.minimum(np.arange(first, first + rows), len(order) - 1)]
                 chunk = jax.tree.map(lambda v, t=take, n=n: v[t, :n], x)
                 r = e(p, chunk, jax.random.fold_in(key, number))
-                for i, row in enumerate(members[start : start + rows]):
-                    out[row] = r[i]
+                out.update((row, r[i]) for i, row in enumerate(take[: end - first]))
                 number += 1
-        return jnp.stack(out)
+            start = end
+        return jnp.stack([out[i] for i in range(len(lengths))])
 
     def total(p):
         keys = [jax.random.fold_in(rng, i) for i in range(len(inputs))]
