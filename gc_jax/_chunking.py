@@ -10,6 +10,10 @@ Chunks are read with ``dynamic_slice`` and written with ``dynamic_update_slice``
 inside loops, so neither the inputs nor the cached representations are ever copied
 into a stacked ``[num_chunks, chunk, ...]`` layout. The last chunk (the *tail*) is
 smaller when the chunk size does not divide the batch; no row is ever padded.
+
+A plan of another kind (``gc_jax._token_chunks.TokenPlan``: chunks cut by a token
+budget) cuts itself: :func:`take`, :func:`put`, :func:`rows_of`,
+:func:`take_cotangent` and :func:`number` call its methods.
 """
 
 from __future__ import annotations
