@@ -12,13 +12,13 @@ example's loss (InfoNCE, learnable temperature) over a batch of ``--batch`` pair
 Printed, for each, in one run: the padded fraction of the tokens encoded (each
 encoder pass encodes these tokens; the budget's padding rows count as padding), the
 gradient step time (interleaved rounds over the same batches: median and range), the
-compiled temp memory on this machine and on the TPU compiler for one v5e chip
-(compile only, ``--tpu``; the step on one chip of that topology), and the number of compiled chunk shapes.
+compiled temp memory on this machine and on the TPU compiler (compile only, ``--tpu``;
+the step on one chip of that topology), and the number of compiled chunk shapes.
 
 Usage::
 
     python benchmarks/token_budget.py                     # CPU timing + CPU memory
-    python benchmarks/token_budget.py --tpu v5e:2x2       # + TPU v5e compile-only memory
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/token_budget.py --tpu v5e:2x2  # + TPU memory
 """
 
 from __future__ import annotations
