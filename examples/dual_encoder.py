@@ -122,6 +122,7 @@ TINY_VOCAB_SIZE = 4096
 INITIAL_TEMPERATURE = 0.05
 EVAL_BATCH = 128
 DEFAULT_SAVE_EVERY = 25
+TOKEN_BUCKETS = (16, 32, 64, 96, 128)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", choices=sorted(DEFAULTS), help="default: tiny")
     add("--batch", type=int, help=f"global batch, pairs per step ({_per_model('batch')})")
     add("--chunk", type=int, help=f"rows encoded at once ({_per_model('chunk')})")
+    add(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="cut chunks by a token budget instead of --chunk rows: at most TOKENS tokens per "
+        f"chunk, rows trimmed to buckets {TOKEN_BUCKETS} (gc_jax.TokenBudget); 0: off (0)",
+    )
     add("--steps", type=int, help=f"training steps ({_per_model('steps')})")
     add("--lr", type=float, help=f"peak learning rate ({_per_model('lr')})")
     add("--eval-size", type=int, help="held-out pairs (1000)")
@@ -242,6 +251,11 @@ def check_values(parser: argparse.ArgumentParser, args) -> None:
     for name in ("batch", "chunk", "steps", "eval_size", "eval_every", "save_every"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if args.chunk_tokens and args.chunk_tokens < DEFAULTS[args.model].document_length:
+        parser.error(
+            f"--chunk-tokens {args.chunk_tokens} holds no row of code "
+            f"({DEFAULTS[args.model].document_length} tokens); pass at least that, or 0."
+        )
     if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
         parser.error(f"--stop-at must be in [1, --steps {args.steps}], got {args.stop_at}.")
     if args.batch < 2:
@@ -585,10 +599,17 @@ def save(manager, state: TrainState) -> None:
     run_dir.save_checkpoint(manager, state.step, state.params, state.opt_state, state.progress())
 
 
+def chunking(args) -> int | gc_jax.TokenBudget:
+    """``chunk_size``: ``--chunk`` rows, or a token budget with ``--chunk-tokens``."""
+    if args.chunk_tokens:
+        return gc_jax.TokenBudget(tokens=args.chunk_tokens, buckets=TOKEN_BUCKETS)
+    return args.chunk
+
+
 def compile_step(model, optimizer, state: TrainState, data: Tokenized, args) -> tuple[Any, dict]:
     """The jitted, compiled train step and a ``"compile"`` metrics record."""
     sample = (state.params, state.opt_state, *data.rows(np.arange(args.batch)), state.key)
-    step = jax.jit(make_example_step(model, optimizer, args.chunk), donate_argnums=(0, 1))
+    step = jax.jit(make_example_step(model, optimizer, chunking(args)), donate_argnums=(0, 1))
     tick = time.perf_counter()
     compiled = step.lower(*sample).compile()
     record = {
@@ -598,7 +619,7 @@ def compile_step(model, optimizer, state: TrainState, data: Tokenized, args) -> 
         "temp_bytes": compiled_temp_bytes(compiled),
     }
     print(
-        f"train step: global batch {args.batch}, chunk {args.chunk}, compiled in "
+        f"train step: global batch {args.batch}, chunk {chunking(args)}, compiled in "
         f"{record['seconds']:.1f}s, temp memory {_mib(record['temp_bytes'])}"
     )
     if args.compare_full_batch:

@@ -14,6 +14,7 @@ from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
 from gc_jax._grad_cache import GradCache
 from gc_jax._loss_scale import DynamicLossScale
+from gc_jax._token_chunks import TokenBudget
 from gc_jax._train_step import make_train_step
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DynamicLossScale",
     "GradCache",
+    "TokenBudget",
     "cached_value_and_grad",
     "cachex",
     "chunked_encoder",

@@ -105,19 +105,19 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
 
     An encoder built inside the differentiated function (``lambda _, x, key: f(w, x)``
     in ``loss(w)``) closes over ``w``'s tracer, which a ``custom_vjp`` cannot see.
-    ``jax.closure_convert`` (once per chunk shape: the full chunks and the last one)
+    ``jax.closure_convert`` (once per chunk shape: the full chunks and the last one, or
+    one per bucket of a ``TokenBudget``)
     turns such values into arguments; they are passed along with ``params`` and get
     their gradient like them. Closed-over values that are only staged (``jit``) stay
     closed over, as before.
     """
     plan = _input(config, batch, key).plan
-    chunks = {None} | ({0} if plan.num_body else set())
+    shape = lambda chunk: tuple(x.shape for x in jax.tree.leaves(chunk))
     converted = {}
-    for c in chunks:
+    for c in _chunking.samples(plan):
         chunk = jax.eval_shape(lambda b, c=c: _chunking.take(b, plan, c), batch)
         call = lambda p, x, k: _validation.call_encoder(config.encode, p, x, k, "encode")
-        fn, consts = jax.closure_convert(call, params, chunk, key)
-        converted[_chunking.rows_of(plan, c) * plan.num_shards] = (fn, consts)
+        converted[shape(chunk)] = jax.closure_convert(call, params, chunk, key)
     staged = type(jnp.zeros(()))  # a value merely staged out here (jit), or a plain array
     consts = [cs for _, cs in converted.values()]
     if not any(not isinstance(x, staged) for cs in consts for x in cs):
@@ -131,7 +131,7 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
         )
 
     def encode(explicit, chunk, key):
-        fn, _ = converted[_validation.leading_size(chunk, "chunk")]
+        fn, _ = converted[shape(chunk)]
         return fn(explicit[0], chunk, key, *explicit[1])
 
     return dataclasses.replace(config, encode=encode), (params, list(consts[0]))
@@ -194,7 +194,7 @@ def chunked_encoder(
       True
     """
     _validation.callable_arg(encode, "encode")
-    chunk_size = _validation.positive_int(chunk_size, "chunk_size")
+    chunk_size = _validation.chunk_size(chunk_size, "chunk_size")
     if policy is not None:
         _validation.callable_arg(policy, "policy")
     config = _Config(encode, chunk_size, policy, batch_axis)

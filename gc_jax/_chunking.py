@@ -10,6 +10,10 @@ Chunks are read with ``dynamic_slice`` and written with ``dynamic_update_slice``
 inside loops, so neither the inputs nor the cached representations are ever copied
 into a stacked ``[num_chunks, chunk, ...]`` layout. The last chunk (the *tail*) is
 smaller when the chunk size does not divide the batch; no row is ever padded.
+
+A plan of another kind (``gc_jax._token_chunks.TokenPlan``: chunks cut by a token
+budget) cuts itself: :func:`take`, :func:`put`, :func:`rows_of`,
+:func:`take_cotangent` and :func:`number` call its methods.
 """
 
 from __future__ import annotations
@@ -81,13 +85,24 @@ def _span(plan: ChunkPlan, index: jax.Array | None) -> tuple[Any, int]:
     return index * plan.chunk_size, plan.chunk_size
 
 
+def samples(plan: ChunkPlan) -> list:
+    """One chunk index per distinct chunk shape: the tail and, if any, a full chunk."""
+    if not isinstance(plan, ChunkPlan):  # one per bucket (gc_jax._token_chunks)
+        return plan.samples()
+    return [None, 0] if plan.num_body else [None]
+
+
 def rows_of(plan: ChunkPlan, index: Any) -> int:
     """Rows per shard of chunk ``index`` (None: the tail)."""
+    if not isinstance(plan, ChunkPlan):  # another plan (gc_jax._token_chunks) cuts itself
+        return plan.rows_of(index)
     return plan.tail_size if index is None else plan.chunk_size
 
 
 def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
     """Chunk ``index`` of every leaf (a traced body index), or the tail if None."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.take(tree, index)
     start, size = _span(plan, index)
 
     def one(x):
@@ -99,6 +114,8 @@ def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTre
 
 def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
     """Writes ``chunk`` into the rows of chunk ``index`` (or the tail) of ``buffer``."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.put(buffer, chunk, index)
     start, size = _span(plan, index)
 
     def write(buf, piece):
@@ -113,6 +130,20 @@ def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None 
         return write(buf, piece)
 
     return jax.tree.map(one, buffer, chunk)
+
+
+def take_cotangent(tree: PyTree, plan: ChunkPlan, index: Any = None) -> PyTree:
+    """Chunk ``index`` of a representation gradient (zero on a plan's padding rows)."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.take_cotangent(tree, index)
+    return take(tree, plan, index)
+
+
+def number(plan: ChunkPlan, index: Any) -> Any:
+    """Chunk ``index``'s number in the batch, folded into its key (the tail: ``num_body``)."""
+    if not isinstance(plan, ChunkPlan):
+        return plan.number(index)
+    return plan.num_body if index is None else index
 
 
 def input_key(rng: jax.Array | None, input_index: int) -> jax.Array | None:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _chunking, _distributed, _narrow, _validation
+from gc_jax import _chunking, _distributed, _narrow, _token_chunks, _validation
 from gc_jax._base import Encoder, PyTree
 
 
@@ -71,7 +71,10 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
     """
     rows = _validation.leading_size(batch, batch_name)
     batch, layout = _distributed.layout_of(batch, axis_name, batch_axis, batch_name)
-    plan = _chunking.make_plan(rows, chunk_size, layout)
+    if isinstance(chunk_size, _token_chunks.TokenBudget):
+        plan = _token_chunks.make_plan(batch, chunk_size, batch_name, layout)
+    else:
+        plan = _chunking.make_plan(rows, chunk_size, layout)
     wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
     return Input(encode, batch, plan, rng, wrt, policy, name)
 
@@ -81,8 +84,23 @@ def _full_tail(plan: _chunking.ChunkPlan) -> bool:
     return plan.tail_size == plan.chunk_size
 
 
+def _loops(plan, keep_tail: bool) -> list[tuple[Callable[[Any], Any], Any]]:
+    """The chunk loops: ``(index of turn j, number of turns)``; the tail is not in them
+    unless it is full-sized and not kept. A token plan has one loop per bucket, with a
+    traced number of turns, and no tail."""
+    if not isinstance(plan, _chunking.ChunkPlan):
+        return plan.loops()
+    looped = plan.num_body + (not keep_tail and _full_tail(plan))
+    return [(lambda j: j, looped)] if looped else []
+
+
+def _has_tail(plan, keep_tail: bool) -> bool:
+    """Whether the tail is encoded on its own, after the loops."""
+    return isinstance(plan, _chunking.ChunkPlan) and (keep_tail or not _full_tail(plan))
+
+
 def _key(inp: Input, c) -> jax.Array | None:
-    return _chunking.chunk_key(inp.rng, inp.plan.num_body if c is None else c)
+    return _chunking.chunk_key(inp.rng, _chunking.number(inp.plan, c))
 
 
 def _differentiated(tree: PyTree, wrt: tuple[bool, ...]) -> list:
@@ -124,6 +142,11 @@ def _diff(inp: Input, c) -> list:
 
 def output_shapes(inp: Input, params: PyTree) -> PyTree:
     """Shapes and dtypes of one chunk's representations, the same for every chunk."""
+    if not isinstance(inp.plan, _chunking.ChunkPlan):
+        shapes = [
+            jax.eval_shape(_encoder(inp, c), params, _diff(inp, c)) for c in inp.plan.samples()
+        ]
+        return inp.plan.same_outputs(shapes, inp.name)
     tail = jax.eval_shape(_encoder(inp, None), params, _diff(inp, None))
     if inp.plan.num_body:
         body = jax.eval_shape(_encoder(inp, 0), params, _diff(inp, 0))
@@ -151,14 +174,13 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
     vma = _distributed.varying_axes_of((params, inp.batch))
     cache = _chunking.zeros(like, inp.plan, vma)
     # A full-sized tail that is not kept is just one more turn of the loop.
-    looped = inp.plan.num_body + (not keep_tail and _full_tail(inp.plan))
-    if looped:  # written in place: no stacked copy of the inputs or the cache
-        body = lambda c, cache: _chunking.put(
-            cache, _encoder(inp, c)(params, _diff(inp, c)), inp.plan, c
+    for index, turns in _loops(inp.plan, keep_tail):  # in place: no stacked copy
+        body = lambda j, cache, index=index: _chunking.put(
+            cache, _encoder(inp, index(j))(params, _diff(inp, index(j))), inp.plan, index(j)
         )
-        cache = jax.lax.fori_loop(0, looped, body, cache)
+        cache = jax.lax.fori_loop(0, turns, body, cache)
     if not keep_tail:
-        if looped > inp.plan.num_body:
+        if not _has_tail(inp.plan, keep_tail):
             return cache, None
         return _put_tail(cache, _encoder(inp, None)(params, _diff(inp, None)), inp.plan), None
     # The barrier orders the kept chunk's forward after all other pass-1 work.
@@ -182,7 +204,7 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
     def one(g, r):
         if not is_inexact(r):  # integer/boolean outputs: a float0 zero cotangent
             return np.zeros((rows, *r.shape[1:]), jax.dtypes.float0)
-        return _chunking.take(g, plan, c).astype(r.dtype)
+        return _chunking.take_cotangent(g, plan, c).astype(r.dtype)
 
     return jax.tree.map(one, rep_grad, shapes)
 
@@ -245,29 +267,29 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
     tail_vjps = tail_vjps or [None] * len(inputs)
     shapes = [output_shapes(inp, params) for inp in inputs]
     dxs = [input_grad_buffer(inp) for inp in inputs]
-    pieces = []  # (input, body chunks (True) or the tail (False), how many) for the loop
+    pieces = []  # (input, index of turn j, how many turns) for the loop
     for i, (inp, vjp) in enumerate(zip(inputs, tail_vjps, strict=True)):
         if vjp is not None:
             pull = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
             grads, dxs = _for_input(i, pull, acc)(params, dxs)
             acc = _add(acc, grads)
-        looped = inp.plan.num_body + (vjp is None and _full_tail(inp.plan))
-        if looped:
-            pieces.append((i, True, looped))
-        if vjp is None and looped == inp.plan.num_body:
-            pieces.append((i, False, 1))
+        pieces += [(i, index, turns) for index, turns in _loops(inp.plan, vjp is not None)]
+        if vjp is None and _has_tail(inp.plan, False):
+            pieces.append((i, lambda j: None, 1))
     if not pieces:
         return acc, dxs
     # The barrier makes the re-encoding wait for the gradient so far: XLA can neither
     # hoist it next to pass 1 nor merge it with pass 1's forward.
     (acc, dxs), params = jax.lax.optimization_barrier(((acc, dxs), params))
-    starts = np.cumsum([0] + [n for _, _, n in pieces])
+    turns = [n for _, _, n in pieces]  # traced for token plans
+    static = all(isinstance(n, int) for n in turns)
+    starts = np.cumsum([0, *turns]) if static else jnp.cumsum(jnp.stack([0, *turns]))
 
     def branch(piece):
-        i, body, _ = piece
+        i, index, _ = piece
 
-        def run(c, dxs):
-            pull = _pullback(inputs[i], shapes[i], rep_grads[i], c if body else None)
+        def run(j, dxs):
+            pull = _pullback(inputs[i], shapes[i], rep_grads[i], index(j))
             return _for_input(i, pull, acc)(params, dxs)
 
         return run
@@ -285,7 +307,7 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
             grads, dxs = jax.lax.switch(k, branches, g - jnp.asarray(starts)[k], dxs)
         return _add(acc, grads), dxs
 
-    return jax.lax.fori_loop(0, int(starts[-1]), step, (acc, dxs))
+    return jax.lax.fori_loop(0, int(starts[-1]) if static else starts[-1], step, (acc, dxs))
 
 
 def _for_input(i: int, step, acc: PyTree):

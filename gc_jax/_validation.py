@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from gc_jax._base import PyTree
+from gc_jax._token_chunks import TokenBudget
 
 
 def _is_int(value: Any) -> bool:
@@ -22,6 +23,11 @@ def positive_int(value: Any, name: str) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value}.")
     return int(value)
+
+
+def chunk_size(value: Any, name: str) -> int | TokenBudget:
+    """A ``chunk_size``: a positive int (rows) or a :class:`gc_jax.TokenBudget`."""
+    return value if isinstance(value, TokenBudget) else positive_int(value, name)
 
 
 def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str], Any], *,
@@ -40,15 +46,15 @@ def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str]
     return (check(value, name),) * num_inputs
 
 
-def chunk_sizes(value: Any) -> int | tuple[int, ...]:
-    """``chunk_size`` checked once, up front: one positive int, or a tuple of them."""
+def chunk_sizes(value: Any) -> int | TokenBudget | tuple[int | TokenBudget, ...]:
+    """``chunk_size`` checked once, up front: one (int or TokenBudget), or a tuple of them."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         if not value:
             raise ValueError(
                 "chunk_size is an empty sequence; expected one positive int per input."
             )
-        return tuple(positive_int(v, f"chunk_size[{i}]") for i, v in enumerate(value))
-    return positive_int(value, "chunk_size")
+        return tuple(chunk_size(v, f"chunk_size[{i}]") for i, v in enumerate(value))
+    return chunk_size(value, "chunk_size")
 
 
 def float_dtype(value: Any, name: str) -> Any:

@@ -287,6 +287,8 @@ def _kept_vjps(inputs: list[_passes.Input]) -> tuple[bool, bool]:
     encoding with its first (common-subexpression elimination), which keeps the
     chunk's activations from pass 1 next to the kept ones.
     """
+    if not all(isinstance(inp.plan, _chunking.ChunkPlan) for inp in inputs):
+        return False, False  # token-budget chunks: traced chunk counts, nothing kept
     chunks = sum(inp.plan.num_body + 1 for inp in inputs)
     return chunks == len(inputs), chunks >= 3
 

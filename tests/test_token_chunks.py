@@ -1,0 +1,298 @@
+"""Token-budget chunks (gc_jax.TokenBudget): exact against the full padded batch.
+
+The encoder is a tiny masked transformer (one attention layer, mean or first-token
+pooling), whose outputs do not depend on trailing padding, so trimming chunks to their
+bucket changes nothing but float rounding.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gc_jax
+from gc_jax.losses import contrastive_loss
+
+VOCAB, WIDTH, PADDED = 11, 8, 16
+BUCKETS = (4, 8, 16)
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def make_tower(seed):
+    k = jax.random.split(jax.random.key(seed), 6)
+    n = lambda i, *s: jax.random.normal(k[i], s) / np.sqrt(s[0])
+    return {"emb": n(0, VOCAB, WIDTH), "pos": n(1, PADDED, WIDTH), "qkv": n(2, WIDTH, 3 * WIDTH),
+            "mlp": n(3, WIDTH, WIDTH), "out": n(4, WIDTH, WIDTH)}  # fmt: skip
+
+
+def make_params():
+    return {"q": make_tower(0), "d": make_tower(1), "log_temp": jnp.array(-1.0)}
+
+
+def transformer(pooling, dropout=0.0):
+    """``encode(tower, batch, key)``: one masked attention layer, then pooling."""
+
+    def encode(p, batch, key):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        x = p["emb"][ids] + p["pos"][: ids.shape[1]]
+        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+        scores = jnp.where(mask[:, None, :] > 0, scores, -1e9)
+        x = x + jax.nn.softmax(scores, axis=-1) @ v
+        x = x + jnp.tanh(x @ p["mlp"])
+        if key is not None and dropout:
+            x = x * jax.random.bernoulli(key, 1 - dropout, x.shape) / (1 - dropout)
+        if pooling == "first":
+            pooled = x[:, 0]
+        else:
+            m = mask[..., None].astype(x.dtype)
+            pooled = (x * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+        return pooled @ p["out"]
+
+    return encode
+
+
+def towers(tied, dropout=0.0):
+    q_enc, d_enc = transformer("mean", dropout), transformer("first", dropout)
+    if tied:
+        return lambda p, x, key: q_enc(p["q"], x, key)
+    return [lambda p, x, key: q_enc(p["q"], x, key), lambda p, x, key: d_enc(p["d"], x, key)]
+
+
+def loss_fn(params, q, d, axis_name=None):
+    return contrastive_loss(q, d, temperature=jnp.exp(params["log_temp"]), axis_name=axis_name)
+
+
+def text_batch(rows, lengths_kind, seed, padded=PADDED):
+    """Token ids and a prefix mask; ``lengths_kind`` picks the length distribution."""
+    rng = np.random.default_rng(seed)
+    lengths = {
+        "uniform": rng.integers(1, padded + 1, rows),
+        "short": rng.integers(1, 4, rows),
+        "long": rng.integers(padded - 2, padded + 1, rows),
+        "bimodal": np.where(rng.random(rows) < 0.7, rng.integers(1, 5, rows), padded),
+    }[lengths_kind]
+    mask = (np.arange(padded)[None, :] < lengths[:, None]).astype(np.int32)
+    ids = rng.integers(1, VOCAB, (rows, padded)) * mask
+    return {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask)}
+
+
+def full_batch_fn(loss, encoders, num_inputs=2):
+    """Jitted ``jax.value_and_grad`` of the loss over the whole padded batch."""
+    encs = encoders if isinstance(encoders, list) else [encoders] * num_inputs
+    total = lambda p, *xs: loss(p, *[e(p, x, None) for e, x in zip(encs, xs, strict=True)])
+    return jax.jit(jax.value_and_grad(total))
+
+
+def full_batch(loss, encoders, params, *inputs):
+    return full_batch_fn(loss, encoders, len(inputs))(params, *inputs)
+
+
+BUDGET = gc_jax.TokenBudget(tokens=48, buckets=BUCKETS)  # chunks of 12x4, 6x8, 3x16
+
+
+@pytest.mark.parametrize(("tied", "k"), [(True, 1), (False, 1), (False, 2)])
+def test_matches_full_batch(tied, k):
+    """One compiled step for every length distribution: the lengths are traced data."""
+    params, encoders = make_params(), towers(tied)
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
+    want_fn = full_batch_fn(loss_fn, encoders)
+    for seed, kind in enumerate(["uniform", "short", "long", "bimodal"]):
+        q, d = text_batch(20, kind, 2 * seed), text_batch(20 * k, kind, 2 * seed + 1)
+        chex.assert_trees_all_close(grad_fn(params, q, d), want_fn(params, q, d), **TOL)
+    assert grad_fn._cache_size() == 1
+
+
+def test_per_input_budgets_and_row_chunks_mixed():
+    params, encoders = make_params(), towers(False)
+    q, d = text_batch(20, "uniform", 2, padded=8), text_batch(20, "bimodal", 3)
+    chunk = (3, gc_jax.TokenBudget(tokens=32, buckets=(2, 8, 16, 32)))
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunk))
+    chex.assert_trees_all_close(
+        grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d), **TOL
+    )
+
+
+def test_left_padding_is_exact():
+    params, encoders = make_params(), towers(False)
+    q, d = text_batch(12, "uniform", 4), text_batch(12, "short", 5)
+    d = jax.tree.map(lambda x: x[:, ::-1], d)  # padding first: nothing can be trimmed
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
+    chex.assert_trees_all_close(
+        grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d), **TOL
+    )
+
+
+def test_chunked_encoder_and_train_step():
+    params, (q_enc, d_enc) = make_params(), towers(False)
+    q, d = text_batch(20, "bimodal", 6), text_batch(20, "uniform", 7)
+    enc_q, enc_d = (gc_jax.chunked_encoder(e, BUDGET) for e in (q_enc, d_enc))
+    loss = lambda p: loss_fn(p, enc_q(p, q), enc_d(p, d))
+    want = full_batch(loss_fn, [q_enc, d_enc], params, q, d)
+    chex.assert_trees_all_close(jax.jit(jax.value_and_grad(loss))(params), want, **TOL)
+    opt = optax.sgd(0.1)
+    step = jax.jit(gc_jax.make_train_step(loss_fn, [q_enc, d_enc], BUDGET, optimizer=opt))
+    (new, _), metrics = step((params, opt.init(params)), q, d)
+    chex.assert_trees_all_close(metrics["loss"], want[0], **TOL)
+    want_new = jax.tree.map(lambda p, g: p - 0.1 * g, params, want[1])
+    chex.assert_trees_all_close(new, want_new, **TOL)
+
+
+def test_input_gradients_of_trimmed_leaves():
+    """Differentiated per-token float leaves get their gradient, zero on trimmed padding."""
+    tower = make_tower(0)
+
+    def encode(p, batch, key):
+        x = batch["embeddings"] + p["pos"][: batch["embeddings"].shape[1]]
+        m = batch["attention_mask"][..., None].astype(x.dtype)
+        return jnp.tanh((x * m).sum(1) @ p["out"])
+
+    b = text_batch(14, "bimodal", 8)
+    emb, mask = tower["emb"][b["input_ids"]], b["attention_mask"]
+    f = lambda enc: (
+        lambda p, e: jnp.sum(enc(p, {"embeddings": e, "attention_mask": mask}, None) ** 2)
+    )
+    got = jax.jit(jax.grad(f(gc_jax.chunked_encoder(encode, BUDGET)), (0, 1)))(tower, emb)
+    want = jax.jit(jax.grad(f(encode), (0, 1)))(tower, emb)
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
+def reference_with_dropout(loss, encoders, budget, params, *inputs, rng):
+    """The full-batch program, with each row encoded at the chunk position and with the key
+    gc_jax gives it (the plan redone in numpy), so dropout draws the same masks."""
+    encs = encoders if isinstance(encoders, list) else [encoders] * len(inputs)
+
+    def reps(p, e, x, key):
+        lengths = np.asarray(x["attention_mask"]).sum(1)
+        shapes = budget.chunk_shapes(x["input_ids"].shape[1], len(lengths))
+        bucket = np.minimum(np.searchsorted([n for _, n in shapes], lengths), len(shapes) - 1)
+        order, out, number, start = np.argsort(bucket, stable=True), {}, 0, 0
+        for b, (rows, n) in enumerate(shapes):  # full chunks; leftover rows move up
+            fits = np.sum(bucket <= b)
+            end = len(order) if b == len(shapes) - 1 else start + (fits - start) // rows * rows
+            for first in range(start, end, rows):
+                take = order[np.minimum(np.arange(first, first + rows), len(order) - 1)]
+                chunk = jax.tree.map(lambda v, t=take, n=n: v[t, :n], x)
+                r = e(p, chunk, jax.random.fold_in(key, number))
+                out.update((row, r[i]) for i, row in enumerate(take[: end - first]))
+                number += 1
+            start = end
+        return jnp.stack([out[i] for i in range(len(lengths))])
+
+    def total(p):
+        keys = [jax.random.fold_in(rng, i) for i in range(len(inputs))]
+        return loss(p, *[reps(p, e, x, k) for e, x, k in zip(encs, inputs, keys, strict=True)])
+
+    return jax.jit(jax.value_and_grad(total))(params)
+
+
+def test_dropout_replayed():
+    params, encoders = make_params(), towers(False, dropout=0.3)
+    q, d = text_batch(20, "bimodal", 9), text_batch(20, "uniform", 10)
+    rng = jax.random.key(3)
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
+    got = grad_fn(params, q, d, rng=rng)
+    want = reference_with_dropout(loss_fn, encoders, BUDGET, params, q, d, rng=rng)
+    chex.assert_trees_all_close(got, want, **TOL)
+    no_dropout = full_batch(loss_fn, encoders, params, q, d)
+    assert not np.allclose(got[0], no_dropout[0])  # the masks did something
+
+
+def test_shard_map_plans_per_device():
+    devices = 8
+    mesh = jax.make_mesh((devices,), ("d",))
+    params, encoders = make_params(), towers(False)
+    q, d = text_batch(devices * 6, "bimodal", 11), text_batch(devices * 12, "uniform", 12)
+    loss = lambda p, q, d: loss_fn(p, q, d, axis_name="d")
+    grad_fn = gc_jax.cached_value_and_grad(loss, encoders, BUDGET, axis_name="d")
+    step = jax.jit(
+        jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=(P(), P()))
+    )
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
+    got = step(params, put(q), put(d))
+    chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
+
+
+def test_sharded_jit_plans_per_shard():
+    # Auto axes: the toy encoder's embedding lookup does not trace under explicit axes.
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, encoders = make_params(), towers(True)
+    q, d = text_batch(32, "bimodal", 13), text_batch(32, "uniform", 14)
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET, batch_axis="d"))
+    with jax.set_mesh(mesh):
+        got = grad_fn(params, put(q), put(d))
+    chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
+
+
+def test_one_compiled_shape_per_bucket():
+    assert BUDGET.chunk_shapes(PADDED, rows=20) == ((12, 4), (6, 8), (3, 16))
+    seen = set()
+    q_enc = transformer("mean")
+
+    def encode(p, x, key):
+        seen.add(x["input_ids"].shape)
+        return q_enc(p["q"], x, key)
+
+    q, d = text_batch(20, "uniform", 15), text_batch(20, "short", 16)
+    jax.jit(gc_jax.cached_value_and_grad(loss_fn, encode, BUDGET))(make_params(), q, d)
+    assert seen == {(12, 4), (6, 8), (3, 16)}
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_budget_smaller_than_a_row_of_the_longest_bucket():
+    grad_fn = gc_jax.cached_value_and_grad(loss_fn, towers(True), gc_jax.TokenBudget(8, BUCKETS))
+    with pytest.raises(ValueError, match=r"tokens=8\) is smaller than one row.*at least 16"):
+        jax.jit(grad_fn)(make_params(), text_batch(4, "short", 0), text_batch(4, "short", 1))
+
+
+def test_padded_length_longer_than_the_largest_bucket():
+    budget = gc_jax.TokenBudget(64, (4, 8))
+    grad_fn = gc_jax.cached_value_and_grad(loss_fn, towers(True), budget)
+    with pytest.raises(ValueError, match=r"padded to 16 tokens but the largest bucket.*Add 16"):
+        jax.jit(grad_fn)(make_params(), text_batch(4, "short", 0), text_batch(4, "short", 1))
+
+
+def test_missing_mask_names_the_keys():
+    grad_fn = gc_jax.cached_value_and_grad(
+        loss_fn, towers(True), gc_jax.TokenBudget(64, (8, 16), lengths="mask")
+    )
+    with pytest.raises(
+        ValueError, match=r"inputs\[0\]\['mask'\].*keys \['attention_mask', 'input_ids'\]"
+    ):
+        jax.jit(grad_fn)(make_params(), text_batch(4, "short", 0), text_batch(4, "short", 1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tokens": 0, "buckets": (4,)}, TypeError, "tokens must be a positive int"),
+        ({"tokens": 64, "buckets": ()}, TypeError, "non-empty tuple"),
+        ({"tokens": 64, "buckets": (8, 4)}, ValueError, r"increase strictly.*\(4, 8\)"),
+        ({"tokens": 64, "buckets": (4,), "lengths": 3}, TypeError, "key of the attention mask"),
+    ],
+)
+def test_bad_budget(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gc_jax.TokenBudget(**kwargs)
+
+
+def test_lengths_callable():
+    params, encoders = make_params(), towers(True)
+    q, d = text_batch(10, "bimodal", 17), text_batch(10, "uniform", 18)
+    budget = gc_jax.TokenBudget(48, BUCKETS, lengths=lambda b: b["attention_mask"].sum(1))
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, budget))
+    chex.assert_trees_all_close(
+        grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d), **TOL
+    )
+    bad = gc_jax.TokenBudget(48, BUCKETS, lengths=lambda b: b["attention_mask"])
+    with pytest.raises(ValueError, match=r"one integer length per row \(shape \(10,\)\)"):
+        jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, bad))(params, q, d)
