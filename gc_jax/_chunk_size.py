@@ -89,7 +89,7 @@ def _place(device: jax.Device | Mesh | None, args: PyTree) -> PyTree:
     return jax.tree.map(abstract, args)
 
 
-def _target(device: Any, args: PyTree) -> jax.Device | Mesh | None:
+def _target(device: Any) -> jax.Device | Mesh | None:
     """``device`` as one device, a mesh, or None (the arguments' own placement)."""
     if device is None or isinstance(device, (jax.Device, Mesh)):
         return device
@@ -207,7 +207,7 @@ def largest_chunk_size(
     """
     if budget_bytes is not None and not budget_bytes > 0:
         raise ValueError(f"budget_bytes must be positive; got {budget_bytes!r}")
-    target = _target(device, args)
+    target = _target(device)
     args = _place(target, tuple(args))
     kwargs = _place(target, dict(kwargs or {}))
     budget = budget_bytes
