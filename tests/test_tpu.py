@@ -62,7 +62,10 @@ def on_chip(shape, dtype=jnp.float32):
 
 
 def test_the_tpu_compiler_is_installed():
-    assert metadata.version("libtpu"), 'install it: pip install -e ".[tpu]"'
+    try:
+        metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        pytest.fail('libtpu, the TPU compiler, is not installed: pip install -e ".[tpu]"')
     assert chip().platform == "tpu" and chip().device_kind == "TPU v5 lite"
     assert len(topology("v5e:4x4")) == 16
 
