@@ -10,6 +10,7 @@ from gc_jax import losses
 from gc_jax import testing
 from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
+from gc_jax._chunk_size import largest_chunk_size
 from gc_jax._distributed import global_loss
 from gc_jax._flax import linen_encoder, nnx_encoder
 from gc_jax._grad_cache import GradCache
@@ -28,6 +29,7 @@ __all__ = [
     "chunked_encoder",
     "functional",
     "global_loss",
+    "largest_chunk_size",
     "linen_encoder",
     "losses",
     "make_train_step",
