@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _narrow
+from gc_jax import _distributed, _narrow, _validation
 from gc_jax._base import PyTree
 
 
@@ -241,19 +241,16 @@ class TokenPlan(NamedTuple):
         """Checks that every bucket's chunk gives outputs of one kind; returns the first."""
         first = shapes[0]
         for b, other in enumerate(shapes[1:], 1):
-            for (path, x), y in zip(
-                jax.tree_util.tree_flatten_with_path(first)[0], jax.tree.leaves(other), strict=True
-            ):
-                if x.shape[1:] != y.shape[1:] or x.dtype != y.dtype:
-                    where = jax.tree_util.keystr(path) or "its output"
-                    raise ValueError(
-                        f"{name} returned {where} of shape {tuple(x.shape)} ({x.dtype}) for a "
-                        f"chunk of {self.rows[0]} rows x {self.lengths[0]} tokens but "
-                        f"{tuple(y.shape)} ({y.dtype}) for {self.rows[b]} rows x "
-                        f"{self.lengths[b]} tokens; with a TokenBudget the encoder must "
-                        "return one representation per row whose shape does not depend on "
-                        "the sequence length (pool over the tokens)."
-                    )
+            if found := _validation.first_mismatch(first, other):
+                where, x, y = found
+                raise ValueError(
+                    f"{name} returned {where} of shape {tuple(x.shape)} ({x.dtype}) for a "
+                    f"chunk of {self.rows[0]} rows x {self.lengths[0]} tokens but "
+                    f"{tuple(y.shape)} ({y.dtype}) for {self.rows[b]} rows x "
+                    f"{self.lengths[b]} tokens; with a TokenBudget the encoder must "
+                    "return one representation per row whose shape does not depend on "
+                    "the sequence length (pool over the tokens)."
+                )
         return first
 
 

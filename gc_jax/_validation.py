@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from gc_jax import _token_chunks
 from gc_jax._base import PyTree
-from gc_jax._token_chunks import TokenBudget
 
 
 def _is_int(value: Any) -> bool:
@@ -25,9 +25,9 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def chunk_size(value: Any, name: str) -> int | TokenBudget:
+def chunk_size(value: Any, name: str) -> int | _token_chunks.TokenBudget:
     """A ``chunk_size``: a positive int (rows) or a :class:`gc_jax.TokenBudget`."""
-    return value if isinstance(value, TokenBudget) else positive_int(value, name)
+    return value if isinstance(value, _token_chunks.TokenBudget) else positive_int(value, name)
 
 
 def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str], Any], *,
@@ -46,7 +46,7 @@ def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str]
     return (check(value, name),) * num_inputs
 
 
-def chunk_sizes(value: Any) -> int | TokenBudget | tuple[int | TokenBudget, ...]:
+def chunk_sizes(value: Any) -> int | _token_chunks.TokenBudget | tuple:
     """``chunk_size`` checked once, up front: one (int or TokenBudget), or a tuple of them."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         if not value:
@@ -144,20 +144,27 @@ def rows(tree: PyTree, expected: int, name: str) -> None:
             )
 
 
+def first_mismatch(a: PyTree, b: PyTree) -> tuple[str, Any, Any] | None:
+    """``(where, leaf of a, leaf of b)`` of the first leaves whose dtype or trailing shape
+    differ (two chunks' outputs), or None if every leaf agrees."""
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):  # fmt: skip
+        if x.shape[1:] != y.shape[1:] or x.dtype != y.dtype:
+            return jax.tree_util.keystr(path) or "its output", x, y
+    return None
+
+
 def same_chunk_outputs(body: PyTree, tail: PyTree, name: str) -> None:
     """Checks that a full chunk and the (smaller) last chunk give outputs of one kind."""
-    for (path, b), t in zip(
-        jax.tree_util.tree_flatten_with_path(body)[0], jax.tree.leaves(tail), strict=True
-    ):
-        if b.shape[1:] != t.shape[1:] or b.dtype != t.dtype:
-            where = jax.tree_util.keystr(path) or "its output"
-            raise ValueError(
-                f"{name} returned {where} of shape {tuple(b.shape)} and dtype {b.dtype} for a "
-                f"chunk of {b.shape[0]} rows but shape {tuple(t.shape)} and dtype {t.dtype} for "
-                f"the last chunk of {t.shape[0]} rows; an encoder's output may depend on the "
-                "number of rows only through its leading axis (did it pad, pool over rows or "
-                "pick a dtype from the chunk size?)."
-            )
+    if found := first_mismatch(body, tail):
+        where, b, t = found
+        raise ValueError(
+            f"{name} returned {where} of shape {tuple(b.shape)} and dtype {b.dtype} for a "
+            f"chunk of {b.shape[0]} rows but shape {tuple(t.shape)} and dtype {t.dtype} for "
+            f"the last chunk of {t.shape[0]} rows; an encoder's output may depend on the "
+            "number of rows only through its leading axis (did it pad, pool over rows or "
+            "pick a dtype from the chunk size?)."
+        )
 
 
 def scalar_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
