@@ -12,7 +12,8 @@ from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._chunk_size import largest_chunk_size
 from gc_jax._distributed import global_loss
-from gc_jax._flax import linen_encoder, nnx_encoder
+from gc_jax._flax import linen_encoder
+from gc_jax._flax import nnx_encoder
 from gc_jax._grad_cache import GradCache
 from gc_jax._loss_scale import DynamicLossScale
 from gc_jax._token_chunks import TokenBudget
