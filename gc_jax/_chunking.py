@@ -11,6 +11,13 @@ inside loops, so neither the inputs nor the cached representations are ever copi
 into a stacked ``[num_chunks, chunk, ...]`` layout. The last chunk (the *tail*) is
 smaller when the chunk size does not divide the batch; no row is ever padded.
 
+*Narrow leaves* (token ids and masks of 32 or 64 tokens: rows of fewer than 128
+elements) are read as whole 128-element lines (:func:`pack`). The TPU compiler lays
+out an array it slices by rows with the rows major and pads each row to 128 lanes, so
+an ``int32[B, 32]`` batch read chunk by chunk would be copied into a buffer 4x its
+size; viewed as ``[B / 4, 128]`` it is copied unpadded. On row-major backends (CPU,
+GPU) the view is free: the same bytes, read the same way.
+
 A plan of another kind (``gc_jax._token_chunks.TokenPlan``: chunks cut by a token
 budget) cuts itself: :func:`take`, :func:`put`, :func:`rows_of`,
 :func:`take_cotangent` and :func:`number` call its methods.
@@ -18,6 +25,8 @@ budget) cuts itself: :func:`take`, :func:`put`, :func:`rows_of`,
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -74,6 +83,75 @@ def zeros(like: PyTree, plan: ChunkPlan, vma: tuple = ()) -> PyTree:
     return jax.tree.map(one, like)
 
 
+LANES = 128  # a TPU vector register's minor dimension
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Lines:
+    """A narrow batch leaf viewed as whole lines of :data:`LANES` elements.
+
+    Attributes:
+      lines: the leaf reshaped to ``[rows // per_line, LANES]``.
+      shape: the leaf's own shape ``[rows, ...]``.
+    """
+
+    lines: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+    @property
+    def per_line(self) -> int:
+        return LANES // math.prod(self.shape[1:])
+
+
+def _packable(x: jax.Array, plan: ChunkPlan) -> bool:
+    """Whether ``x``'s rows are narrower than a line and every chunk is whole lines."""
+    width = math.prod(x.shape[1:])
+    if x.ndim < 2 or width >= LANES or LANES % width or plan.num_shards != 1:
+        return False
+    per_line = LANES // width
+    return not (plan.chunk_size % per_line or plan.tail_size % per_line)
+
+
+def pack(batch: PyTree, plan: ChunkPlan, wrt: tuple[bool, ...]) -> PyTree:
+    """``batch`` with its narrow leaves (not differentiated) viewed as :class:`Lines`.
+
+    Only for the chunk reads of :func:`take`; a plan of another kind keeps the batch.
+    """
+    if not isinstance(plan, ChunkPlan):
+        return batch
+    leaves, treedef = jax.tree.flatten(batch)
+
+    def one(x, w):
+        if w or not _packable(x, plan):
+            return x
+        return Lines(jax.lax.platform_dependent(x, tpu=_lines_tpu, default=_lines), x.shape)
+
+    return treedef.unflatten([one(x, w) for x, w in zip(leaves, wrt, strict=True)])
+
+
+def _lines(x: jax.Array) -> jax.Array:
+    """``x`` as ``[rows // per_line, LANES]``: a free reshape of a row-major array."""
+    return x.reshape(-1, LANES)
+
+
+def _lines_tpu(x: jax.Array) -> jax.Array:
+    """:func:`_lines`, written from the transpose for the TPU compiler.
+
+    A TPU keeps a narrow ``[rows, w]`` array rows-minor (``w`` would be padded to 128
+    lanes otherwise). ``x.reshape`` would make the compiler copy it into a rows-major,
+    padded buffer first (4x the array for ``w = 32``) and reshape that; from ``x.T``
+    (a free view of that layout) it writes the lines directly.
+    """
+    width = math.prod(x.shape[1:])
+    rows_t = x.reshape(x.shape[0], width).T  # [w, rows]
+    return rows_t.reshape(width, -1, LANES // width).transpose(1, 2, 0).reshape(-1, LANES)
+
+
+def _is_lines(x: Any) -> bool:
+    return isinstance(x, Lines)
+
+
 def _shards(x: jax.Array, plan: ChunkPlan) -> jax.Array:
     return x.reshape(plan.num_shards, -1, *x.shape[1:])
 
@@ -106,10 +184,15 @@ def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTre
     start, size = _span(plan, index)
 
     def one(x):
+        if isinstance(x, Lines):  # whole lines (one shard): see pack
+            piece = jax.lax.dynamic_slice_in_dim(
+                x.lines, start // x.per_line, size // x.per_line, axis=0
+            )
+            return piece.reshape(size, *x.shape[1:])
         piece = jax.lax.dynamic_slice_in_dim(_shards(x, plan), start, size, axis=1)
         return piece.reshape(plan.num_shards * size, *x.shape[1:])
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, is_leaf=_is_lines)
 
 
 def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:

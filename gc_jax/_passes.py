@@ -34,7 +34,8 @@ class Input(NamedTuple):
 
     Attributes:
       encode: ``encode(params, chunk, key) -> reps``.
-      batch: the batch pytree (leading axis: rows).
+      batch: the batch pytree (leading axis: rows); narrow leaves are viewed as
+        ``_chunking.Lines``, read only through ``_chunking.take``.
       plan: how the batch is cut into chunks.
       rng: chunk ``c`` is encoded with ``fold_in(rng, c)``; None: no key.
       wrt: one flag per leaf of ``batch``: whether pass 2 returns its gradient.
@@ -76,7 +77,7 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
     else:
         plan = _chunking.make_plan(rows, chunk_size, layout)
     wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
-    return Input(encode, batch, plan, rng, wrt, policy, name)
+    return Input(encode, _chunking.pack(batch, plan, wrt), plan, rng, wrt, policy, name)
 
 
 def _full_tail(plan: _chunking.ChunkPlan) -> bool:
