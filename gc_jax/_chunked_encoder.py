@@ -43,8 +43,8 @@ class _Static:
     value: Any
 
 
-def _input(config: _Config, batch: PyTree, key, wrt=()) -> _passes.Input:
-    return _passes.make_input(
+def _input(config: _Config, params: PyTree, batch: PyTree, key, wrt=()) -> _passes.Input:
+    inp = _passes.make_input(
         config.encode,
         batch,
         config.chunk_size,
@@ -55,11 +55,12 @@ def _input(config: _Config, batch: PyTree, key, wrt=()) -> _passes.Input:
         wrt=wrt,
         policy=config.policy,
     )
+    return _passes.per_device([inp], params)[0]  # jit over a mesh: one all-reduce
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _encode_batch(config: _Config, params: PyTree, batch: PyTree, key) -> PyTree:
-    return _passes.forward(_input(config, batch, key), params)[0]
+    return _passes.forward(_input(config, params, batch, key), params)[0]
 
 
 def _value(x):
@@ -71,7 +72,7 @@ def _fwd(config: _Config, params, batch, key):
     leaves = jax.tree.leaves(batch, is_leaf=is_primal)
     wrt = tuple(bool(x.perturbed) and _passes.is_inexact(x.value) for x in leaves)
     params, batch, key = jax.tree.map(_value, (params, batch, key), is_leaf=is_primal)
-    reps = _passes.forward(_input(config, batch, key, wrt), params)[0]
+    reps = _passes.forward(_input(config, params, batch, key, wrt), params)[0]
     return reps, (params, batch, key, _Static(wrt))
 
 
@@ -86,7 +87,7 @@ def _dense(ct: Any) -> Any:
 
 def _bwd(config: _Config, residuals, ct):
     params, batch, key, wrt = residuals
-    inp = _input(config, batch, key, wrt.value)
+    inp = _input(config, params, batch, key, wrt.value)
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
@@ -111,11 +112,15 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
     their gradient like them. Closed-over values that are only staged (``jit``) stay
     closed over, as before.
     """
-    plan = _input(config, batch, key).plan
+    inp = _input(config, params, batch, key)
+    plan, shards = inp.plan, inp.plan.layout.shards if inp.per_device else 1
     shape = lambda chunk: tuple(x.shape for x in jax.tree.leaves(chunk))
+    # What encode sees: a chunk, or (per device) one device's rows of it.
+    one_device = lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
     converted = {}
     for c in _chunking.samples(plan):
         chunk = jax.eval_shape(lambda b, c=c: _chunking.take(b, plan, c), batch)
+        chunk = chunk if shards == 1 else jax.tree.map(one_device, chunk)
         call = lambda p, x, k: _validation.call_encoder(config.encode, p, x, k, "encode")
         converted[shape(chunk)] = jax.closure_convert(call, params, chunk, key)
     staged = type(jnp.zeros(()))  # a value merely staged out here (jit), or a plain array

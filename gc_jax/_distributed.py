@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gc_jax._base import AxisName, PyTree
@@ -187,8 +188,51 @@ class Layout(NamedTuple):
             return jax.sharding.reshard(v, sharding)
         return jax.lax.with_sharding_constraint(v, sharding)
 
+    @property
+    def per_device(self) -> bool:
+        """Whether the rows are split over devices under ``jit`` (see :func:`stack`)."""
+        return self.mesh is not None and self.shards > 1
+
+    def stacked_spec(self, x: jax.Array, split: bool) -> PartitionSpec:
+        """Spec of ``x`` with a leading shard axis over ``axes`` (``split``: made from
+        ``x``'s rows). Other dims keep ``x``'s explicit sharding (model parallelism);
+        under auto axes the compiler chooses them."""
+        ndim = x.ndim - 1 if split else x.ndim
+        if self.kind == "explicit":
+            spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+            spec = (*spec, *(None,) * x.ndim)[: x.ndim]
+            rest = spec[1:] if split else spec
+        else:
+            rest = (PartitionSpec.UNCONSTRAINED,) * ndim
+        return PartitionSpec(self.axes, *((None,) if split else ()), *rest)
+
+    def split(self, x: jax.Array) -> jax.Array:
+        """Rows ``[shards * n, ...]`` as ``[shards, n, ...]``: each device's rows, on it."""
+        return self.place(x.reshape(self.shards, -1, *x.shape[1:]), self.stacked_spec(x, True))
+
+    def stack(self, x: jax.Array) -> jax.Array:
+        """``x`` repeated along a new leading shard axis: each device holds its copy."""
+        stacked = jnp.broadcast_to(x[None], (self.shards, *x.shape))
+        return self.place(stacked, self.stacked_spec(x, False))
+
+    def shard_index(self) -> jax.Array:
+        """``[0, 1, ..., shards - 1]``, each device holding its own shard's number."""
+        return self.place(jnp.arange(self.shards), PartitionSpec(self.axes))
+
 
 SINGLE = Layout()
+
+
+def stackable(params: PyTree, layout: Layout) -> bool:
+    """Whether ``params`` can get a per-device copy along ``layout``'s axes: no leaf may
+    be sharded over them (FSDP) in its explicit type."""
+    names = set(_names(layout.axes))
+
+    def uses_batch_axes(p):
+        spec = getattr(getattr(jax.typeof(p), "sharding", None), "spec", None) or ()
+        return any(set(_names(s)) & names for s in spec if s is not None)
+
+    return not any(uses_batch_axes(p) for p in jax.tree.leaves(params))
 
 
 def _mesh_layout(mesh: Any, axes: Any) -> Layout:

@@ -41,6 +41,8 @@ class Input(NamedTuple):
       wrt: one flag per leaf of ``batch``: whether pass 2 returns its gradient.
       policy: a ``jax.checkpoint`` policy for each chunk's re-encoding, or None.
       name: how errors name the encoder.
+      per_device: encode each device's rows of a chunk on their own (set by
+        :func:`per_device`).
     """
 
     encode: Encoder
@@ -50,6 +52,7 @@ class Input(NamedTuple):
     wrt: tuple[bool, ...] = ()
     policy: Any = None
     name: str = "encoder"
+    per_device: bool = False
 
 
 def is_inexact(x: Any) -> bool:
@@ -78,6 +81,28 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
         plan = _chunking.make_plan(rows, chunk_size, layout)
     wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
     return Input(encode, _chunking.pack(batch, plan, wrt), plan, rng, wrt, policy, name)
+
+
+def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
+    """``inputs`` set to encode each device's rows on their own, where they can.
+
+    Under ``jit`` over a mesh, a chunk holds every device's rows; its parameter
+    gradient is a sum over all of them, which the compiler all-reduces chunk by chunk
+    (or once per loop and per input). Encoded *per device* (``vmap`` over the shards,
+    with each device's own copy of the parameters: :meth:`Layout.stack
+    <gc_jax._distributed.Layout.stack>`), every chunk's gradient stays on its device,
+    and the step all-reduces once. Device ``s``'s rows of chunk ``c`` get the key
+    ``fold_in(key_c, s)``, in both passes.
+
+    Every input must be split the same way over more than one device, and no
+    parameter sharded over those mesh axes (FSDP): else the inputs are kept as they
+    are (one chunk spans the devices), with the same gradients.
+    """
+    layouts = {(inp.plan.layout.mesh, inp.plan.layout.axes) for inp in inputs}
+    layout = inputs[0].plan.layout
+    if len(layouts) > 1 or not layout.per_device or not _distributed.stackable(params, layout):
+        return inputs
+    return [inp._replace(per_device=True) for inp in inputs]
 
 
 def _full_tail(plan: _chunking.ChunkPlan) -> bool:
@@ -114,11 +139,12 @@ def _replace(tree: PyTree, wrt: tuple[bool, ...], new: list) -> PyTree:
     return treedef.unflatten([next(it) if w else x for x, w in zip(leaves, wrt, strict=True)])
 
 
-def _encoder(inp: Input, c, remat: bool = False) -> Callable[[PyTree, list], PyTree]:
+def _encoder(inp: Input, c, remat: bool = False, stacked: bool = False):
     """``f(params, diff)``: chunk ``c`` (None: the tail) encoded with its key.
 
     ``diff`` replaces the chunk's differentiated leaves (``inp.wrt``), so ``jax.vjp``
-    of ``f`` also gives their gradients.
+    of ``f`` also gives their gradients. ``stacked``: ``params`` hold one copy per
+    device (``inp.per_device``), so the gradients do too.
     """
     encode = inp.encode
     if remat and inp.policy is not None:
@@ -128,11 +154,28 @@ def _encoder(inp: Input, c, remat: bool = False) -> Callable[[PyTree, list], PyT
         chunk = _chunking.take(inp.batch, inp.plan, c)
         if any(inp.wrt):
             chunk = _replace(chunk, inp.wrt, diff)
-        reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
+        if inp.per_device:
+            reps = _encode_per_device(inp, encode, params, chunk, _key(inp, c), stacked)
+        else:
+            reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
         _validation.rows(reps, inp.plan.num_shards * _chunking.rows_of(inp.plan, c), inp.name)
         return reps
 
     return f
+
+
+def _encode_per_device(inp: Input, encode, params, chunk, key, stacked: bool) -> PyTree:
+    """Each device's rows of ``chunk`` encoded on their own: ``vmap`` over the shards."""
+    layout = inp.plan.layout
+
+    def one(p, rows, s):
+        k = None if key is None else jax.random.fold_in(key, s)
+        return _validation.call_encoder(encode, p, rows, k, inp.name)
+
+    shards = jax.tree.map(layout.split, chunk)
+    run = jax.vmap(one, in_axes=(0 if stacked else None, 0, 0), spmd_axis_name=layout.axes)
+    reps = run(params, shards, layout.shard_index())
+    return jax.tree.map(lambda r: r.reshape(-1, *r.shape[2:]), reps)
 
 
 def _diff(inp: Input, c) -> list:
@@ -186,7 +229,9 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
         return _put_tail(cache, _encoder(inp, None)(params, _diff(inp, None)), inp.plan), None
     # The barrier orders the kept chunk's forward after all other pass-1 work.
     (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
-    reps, vjp = jax.vjp(_encoder(inp, None, remat=True), params, _diff(inp, None))
+    stacked = inp.per_device  # the kept VJP's gradients: one per device, as pass 2's
+    own = jax.tree.map(inp.plan.layout.stack, params) if stacked else params
+    reps, vjp = jax.vjp(_encoder(inp, None, True, stacked), own, _diff(inp, None))
     if not inp.plan.num_body:  # a single chunk: its representations are the cache
         return jax.tree.map(lambda r, c: r.astype(c.dtype), reps, cache), vjp
     return _put_tail(cache, reps, inp.plan), vjp
@@ -243,7 +288,7 @@ def _pullback(inp: Input, shapes: PyTree, rep_grad: PyTree, c, vjp=None):
     """
 
     def step(params, dx):
-        pull = vjp or jax.vjp(_encoder(inp, c, remat=True), params, _diff(inp, c))[1]
+        pull = vjp or jax.vjp(_encoder(inp, c, True, inp.per_device), params, _diff(inp, c))[1]
         g_params, g_x = pull(_cotangent(rep_grad, shapes, inp.plan, c))
         dx = [_chunking.put(b, x, inp.plan, c) for b, x in zip(dx, g_x, strict=True)]
         return g_params, dx
@@ -261,12 +306,28 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
     allocated once for all inputs. ``rep_grads[i]`` has the structure of input
     ``i``'s representations (leaves of non-float outputs are ignored).
 
+    Inputs encoded per device (:func:`per_device`) accumulate one gradient per device,
+    summed over the devices once, at the end.
+
     Returns:
       ``(acc, batch_grads)``: ``batch_grads[i]`` lists the gradients of the
       differentiated leaves of input ``i``'s batch (``inputs[i].wrt``).
     """
+    if not inputs[0].per_device:
+        return _backward(inputs, params, params, rep_grads, acc, tail_vjps)
+    stack = inputs[0].plan.layout.stack
+    own = jax.tree.map(stack, params)
+    zeros = jax.tree.map(lambda a: stack(jnp.zeros_like(a)), acc)
+    per_device, dxs = _backward(inputs, params, own, rep_grads, zeros, tail_vjps)
+    return _add(acc, jax.tree.map(lambda g: g.sum(0), per_device)), dxs  # the all-reduce
+
+
+def _backward(inputs, params, own, rep_grads, acc, tail_vjps):
+    """:func:`backward` with ``own``: the parameters the chunks are differentiated
+    against (``params``, or one copy per device), and ``acc`` shaped like them."""
     tail_vjps = tail_vjps or [None] * len(inputs)
     shapes = [output_shapes(inp, params) for inp in inputs]
+    params = own  # what the chunks' VJPs differentiate against
     dxs = [input_grad_buffer(inp) for inp in inputs]
     pieces = []  # (input, index of turn j, how many turns) for the loop
     for i, (inp, vjp) in enumerate(zip(inputs, tail_vjps, strict=True)):

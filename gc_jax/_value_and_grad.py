@@ -212,7 +212,9 @@ def cached_value_and_grad(
       ``i`` is encoded with key ``fold_in(fold_in(rng, i), c)`` in both passes
       (``None`` if ``rng`` is None), so dropout is replayed exactly; under
       ``axis_name`` the device index is folded into ``rng`` first, so devices draw
-      different masks. ``grads`` has the structure of ``params``.
+      different masks; under ``jit`` over a sharded batch device ``s`` encodes its
+      rows of chunk ``c`` with that chunk's key folded with ``s`` (and the step
+      all-reduces the gradients once). ``grads`` has the structure of ``params``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gc_jax
@@ -249,6 +251,7 @@ def cached_value_and_grad(
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
         planned = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
+        planned = _passes.per_device(planned, params)  # jit over a mesh: one all-reduce
         keep_all, keep_last = _kept_vjps(planned)
         reps, kept = (), []
         for i, inp in enumerate(planned):

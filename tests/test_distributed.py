@@ -4,6 +4,7 @@ Every form must return the global loss and the gradient of the global loss, equa
 single-device full-batch ``jax.value_and_grad`` over the concatenated batch.
 """
 
+import contextlib
 import re
 
 import chex
@@ -140,3 +141,63 @@ def test_one_gradient_reduction_per_step(chunk_size):
     # The step's all-reduces do not depend on how many chunks there are.
     single = shard_map_step(LOCAL_ROWS, mesh).lower(make_params(), *inputs).compile().as_text()
     assert hlo.count("all-reduce(") == single.count("all-reduce(")
+
+
+def gradient_all_reduces(hlo: str) -> int:
+    """All-reduces whose operands include the gradient of ``w1`` (f32[5, 12])."""
+    return sum("f32[5,12]" in r for r in re.findall(r"= (.*?) all-reduce(?:-start)?\(", hlo))
+
+
+def sharded_jit_step(form, axis_type, chunk_size):
+    """A sharded-jit step (as users first write it: no ``jax.set_mesh`` for explicit axes)."""
+    batch_axis = "d" if axis_type == AxisType.Auto else None
+    if form == "cached_value_and_grad":
+        return jax.jit(
+            gc_jax.cached_value_and_grad(make_loss(), encode, chunk_size, batch_axis=batch_axis)
+        )
+    enc = gc_jax.chunked_encoder(encode, chunk_size, batch_axis=batch_axis)
+    total = lambda p, q, d: make_loss()(p, enc(p, q), enc(p, d))
+    return jax.jit(jax.value_and_grad(total))
+
+
+@pytest.mark.parametrize("form", ["cached_value_and_grad", "chunked_encoder"])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_sharded_jit_all_reduces_the_gradients_once_per_step(form, axis_type):
+    """Each device accumulates its own rows' gradient; the step sums them once
+    (``chunked_encoder``: once per call).
+
+    Before, the compiler all-reduced each chunk's gradient (XLA:CPU: inside the loops;
+    the TPU compiler: once per input's loop and once for the kept last chunk).
+    """
+    mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(axis_type,))
+    inputs = sharded(mesh, *global_batch(2))
+    counts = []
+    for chunk_size in (2, LOCAL_ROWS):  # 3 chunks per device, and one
+        step = sharded_jit_step(form, axis_type, chunk_size)
+        with jax.set_mesh(mesh) if axis_type == AxisType.Auto else contextlib.nullcontext():
+            got = step(make_params(), *inputs)
+            hlo = step.lower(make_params(), *inputs).compile().as_text()
+        chex.assert_trees_all_close(got, expected(2), rtol=2e-5, atol=2e-6)
+        for body in while_bodies(hlo):
+            assert "all-reduce" not in body, "an all-reduce runs once per chunk"
+        counts.append(gradient_all_reduces(hlo))
+    # chunked_encoder: at most one per call (each call's backward is its own; XLA may
+    # combine the two calls' all-reduces).
+    most = 1 if form == "cached_value_and_grad" else 2
+    assert counts[0] == counts[1] <= most, f"gradient all-reduces, 3 chunks and 1: {counts}"
+
+
+def test_parameters_sharded_over_the_batch_axes_are_not_copied_per_device():
+    """FSDP: a parameter sharded over the batch's mesh axis keeps its sharding; the
+    chunks then span the devices (the gradients are the same)."""
+    mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(AxisType.Explicit,))
+    params = make_params()
+    params["w1"] = jax.device_put(params["w1"], NamedSharding(mesh, P(None, None)))
+    params["w2"] = jax.device_put(jnp.tile(params["w2"], (2, 1))[:8], NamedSharding(mesh, P("d")))
+    enc = lambda p, x, key: jnp.tanh(x @ p["w1"])[:, :8] @ p["w2"]
+    step = jax.jit(gc_jax.cached_value_and_grad(make_loss(), enc, 2))
+    got = step(params, *sharded(mesh, *global_batch(1)))
+    unsharded = jax.tree.map(jnp.asarray, jax.device_get(params))
+    want = full_batch_value_and_grad(make_loss(), enc, 1, unsharded, *global_batch(1))
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
+    assert got[1]["w2"].sharding.is_equivalent_to(params["w2"].sharding, 2)

@@ -168,25 +168,25 @@ def test_train_step(case):
 
 
 def test_dropout_under_a_sharded_batch_matches_the_documented_keys():
-    """Chunk ``c`` of a sharded batch is every device's ``c``-th slice: keys follow it."""
+    """Chunk ``c`` of a sharded batch is every device's ``c``-th slice; device ``s``
+    encodes its rows of it on its own, with ``fold_in(fold_in(fold_in(rng, i), c), s)``."""
     _, params, batch = placed(AxisType.Explicit, True)
     key = jax.random.key(5)
     got = cached_value_and_grad(None)(params, *batch, rng=key)
     q, d = data()
     shards, rows = 4, ROWS // 4
 
-    def chunked(p, x, i):  # chunk c: rows [c*CHUNK, (c+1)*CHUNK) of every shard
+    def chunked(p, x, i):  # device s, chunk c: rows [c*CHUNK, (c+1)*CHUNK) of shard s
         x = x.reshape(shards, rows, -1)
-        parts = [
-            encode(
-                p,
-                x[:, c : c + CHUNK].reshape(-1, 6),
-                jax.random.fold_in(jax.random.fold_in(key, i), c // CHUNK),
-            )
-            for c in range(0, rows, CHUNK)
-        ]
-        out = jnp.stack([pt.reshape(shards, CHUNK, -1) for pt in parts], axis=1)
-        return out.reshape(ROWS, -1)
+        out = [
+            [
+                encode(p, x[s, c : c + CHUNK], jax.random.fold_in(
+                    jax.random.fold_in(jax.random.fold_in(key, i), c // CHUNK), s))
+                for c in range(0, rows, CHUNK)
+            ]
+            for s in range(shards)
+        ]  # fmt: skip
+        return jnp.concatenate([jnp.concatenate(parts) for parts in out])
 
     total = lambda p: loss_fn(p, chunked(p, q, 0), chunked(p, d, 1))
     want = jax.jit(jax.value_and_grad(total))(init_params())

@@ -307,25 +307,7 @@ def test_no_all_reduce_inside_the_chunk_loops(form):
     assert "all-to-all" not in many
 
 
-SHARDED_JIT_REDUCES = (
-    "measured on libtpu 0.0.42.1 (and on XLA:CPU alike): under sharded jit the step "
-    "all-reduces the parameter gradients 3 times with 4 chunks per device (after pass 1's "
-    "kept last-chunk VJP and after each input's pass-2 loop), once with one chunk; none "
-    "inside the loops. The partial gradients are not summed before the reduction."
-)
-
-
-@pytest.mark.parametrize(
-    "form",
-    [
-        shard_map_hlo,
-        pytest.param(
-            sharded_jit_hlo, marks=pytest.mark.xfail(strict=True, reason=SHARDED_JIT_REDUCES)
-        ),
-        cache_train_step_hlo,
-    ],
-    ids=lambda f: f.__name__,
-)
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
 def test_one_gradient_all_reduce_per_step(form):
     many, one = hlo_texts(form)
     assert gradient_all_reduces(one) == 1
