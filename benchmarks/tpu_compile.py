@@ -74,9 +74,9 @@ CHIPS = {
     "v5p": ("v5:1x1x1", "megacore"),
 }
 MODES = ("full", "remat", "gc_f32", "gc_bf16")
-# Where each mode's search starts (two batches): near a v5e chip's boundary, as issue 18's
-# figures for a similar model (tied towers) put it.
-START = {"full": (384, 512), "remat": (1024, 1536), "gc_f32": (2**20, 3 * 2**19),
+# Where each mode's search starts (two batches): near a v5e chip's boundary, as earlier
+# runs of this script put it.
+START = {"full": (512, 768), "remat": (2048, 3072), "gc_f32": (2**20, 3 * 2**19),
          "gc_bf16": (2**21, 3 * 2**20)}  # fmt: skip
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
