@@ -253,6 +253,16 @@ def sharded_jit_hlo(chunk_size):
     return grad_fn.lower(small_params(mesh), *sharded_batch(mesh)).compile().as_text()
 
 
+def sharded_jit_auto_hlo(chunk_size):
+    """Auto mesh axes: the batch's mesh axis named by ``batch_axis``, under ``set_mesh``."""
+    mesh = slice_mesh(AxisType.Auto)
+    grad_fn = jax.jit(
+        gc_jax.cached_value_and_grad(contrastive(), small_encode, chunk_size, batch_axis="d")
+    )
+    with jax.set_mesh(mesh):
+        return grad_fn.lower(small_params(mesh), *sharded_batch(mesh)).compile().as_text()
+
+
 def cache_train_step_hlo(n_chunk):
     mesh = slice_mesh()
 
@@ -288,7 +298,7 @@ def gradient_all_reduces(hlo: str) -> int:
     return sum(f"f32[{WIDTH},{WIDTH}]" in shape for shape in results)
 
 
-FORMS = [shard_map_hlo, sharded_jit_hlo, cache_train_step_hlo]
+FORMS = [shard_map_hlo, sharded_jit_hlo, sharded_jit_auto_hlo, cache_train_step_hlo]
 
 
 @functools.cache
