@@ -92,7 +92,8 @@ class Lines:
     """A narrow batch leaf viewed as whole lines of :data:`LANES` elements.
 
     Attributes:
-      lines: the leaf reshaped to ``[rows // per_line, LANES]``.
+      lines: each shard's rows as lines, ``[num_shards, rows // (num_shards *
+        per_line), LANES]``, split over the devices like the rows.
       shape: the leaf's own shape ``[rows, ...]``.
     """
 
@@ -107,7 +108,7 @@ class Lines:
 def _packable(x: jax.Array, plan: ChunkPlan) -> bool:
     """Whether ``x``'s rows are narrower than a line and every chunk is whole lines."""
     width = math.prod(x.shape[1:])
-    if x.ndim < 2 or width >= LANES or LANES % width or plan.num_shards != 1:
+    if x.ndim < 2 or width >= LANES or LANES % width:
         return False
     per_line = LANES // width
     return not (plan.chunk_size % per_line or plan.tail_size % per_line)
@@ -125,27 +126,32 @@ def pack(batch: PyTree, plan: ChunkPlan, wrt: tuple[bool, ...]) -> PyTree:
     def one(x, w):
         if w or not _packable(x, plan):
             return x
-        return Lines(jax.lax.platform_dependent(x, tpu=_lines_tpu, default=_lines), x.shape)
+        rows = _shards(x, plan).reshape(plan.num_shards, -1, math.prod(x.shape[1:]))
+        reshape = plan.layout.reshape
+        tpu, default = (lambda r: _lines_tpu(r, reshape)), (lambda r: _lines(r, reshape))
+        return Lines(jax.lax.platform_dependent(rows, tpu=tpu, default=default), x.shape)
 
     return treedef.unflatten([one(x, w) for x, w in zip(leaves, wrt, strict=True)])
 
 
-def _lines(x: jax.Array) -> jax.Array:
-    """``x`` as ``[rows // per_line, LANES]``: a free reshape of a row-major array."""
-    return x.reshape(-1, LANES)
+def _lines(x: jax.Array, reshape) -> jax.Array:
+    """Each shard's rows ``[shards, n, w]`` as ``[shards, n // per_line, LANES]``: a free
+    reshape of a row-major array (``reshape``: the layout's, keeping the shards split)."""
+    return reshape(x, (x.shape[0], x.shape[1] * x.shape[2] // LANES, LANES))
 
 
-def _lines_tpu(x: jax.Array) -> jax.Array:
+def _lines_tpu(x: jax.Array, reshape) -> jax.Array:
     """:func:`_lines`, written from the transpose for the TPU compiler.
 
     A TPU keeps a narrow ``[rows, w]`` array rows-minor (``w`` would be padded to 128
     lanes otherwise). ``x.reshape`` would make the compiler copy it into a rows-major,
-    padded buffer first (4x the array for ``w = 32``) and reshape that; from ``x.T``
-    (a free view of that layout) it writes the lines directly.
+    padded buffer first (4x the array for ``w = 32``) and reshape that; from the
+    transpose (a free view of that layout) it writes the lines directly.
     """
-    width = math.prod(x.shape[1:])
-    rows_t = x.reshape(x.shape[0], width).T  # [w, rows]
-    return rows_t.reshape(width, -1, LANES // width).transpose(1, 2, 0).reshape(-1, LANES)
+    shards, rows, width = x.shape
+    per_line = LANES // width
+    split = reshape(jnp.swapaxes(x, 1, 2), (shards, width, rows // per_line, per_line))
+    return reshape(split.transpose(0, 2, 3, 1), (shards, rows // per_line, LANES))
 
 
 def _is_lines(x: Any) -> bool:
@@ -184,11 +190,12 @@ def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTre
     start, size = _span(plan, index)
 
     def one(x):
-        if isinstance(x, Lines):  # whole lines (one shard): see pack
+        if isinstance(x, Lines):  # whole lines of every shard: see pack
             piece = jax.lax.dynamic_slice_in_dim(
-                x.lines, start // x.per_line, size // x.per_line, axis=0
+                x.lines, start // x.per_line, size // x.per_line, axis=1
             )
-            return piece.reshape(size, *x.shape[1:])
+            piece = plan.layout.reshape(piece, (plan.num_shards, size, *x.shape[1:]))
+            return piece.reshape(plan.num_shards * size, *x.shape[1:])
         piece = jax.lax.dynamic_slice_in_dim(_shards(x, plan), start, size, axis=1)
         return piece.reshape(plan.num_shards * size, *x.shape[1:])
 

@@ -215,6 +215,14 @@ class Layout(NamedTuple):
         stacked = jnp.broadcast_to(x[None], (self.shards, *x.shape))
         return self.place(stacked, self.stacked_spec(x, False))
 
+    def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """``x`` (leading axis: the shards) reshaped, the shards staying split over
+        ``axes`` (under explicit axes the output sharding must be stated)."""
+        if self.kind != "explicit":
+            return x.reshape(shape)
+        spec = PartitionSpec(self.axes, *(None,) * (len(shape) - 1))
+        return jax.lax.reshape(x, shape, out_sharding=NamedSharding(self.mesh, spec))
+
     def shard_index(self) -> jax.Array:
         """``[0, 1, ..., shards - 1]``, each device holding its own shard's number."""
         return self.place(jnp.arange(self.shards), PartitionSpec(self.axes))

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from reference import full_batch_value_and_grad
 
 import gc_jax
@@ -85,3 +87,36 @@ def test_gradients_with_packed_token_ids_match_full_batch(chunk):
     f = jax.jit(gc_jax.cached_value_and_grad(contrastive, token_tower, chunk))
     want = full_batch_value_and_grad(contrastive, token_tower, chunk, params, q, d)
     chex.assert_trees_all_close(f(params, q, d), want, rtol=2e-5, atol=2e-6)
+
+
+def one_hot_tower(params, batch, key):
+    """:func:`token_tower` with a one-hot product for the lookup (sharding-agnostic)."""
+    del key
+    emb = jax.nn.one_hot(batch["ids"], VOCAB) @ params["emb"]
+    h = jnp.tanh(emb @ params["w"])
+    m = batch["mask"][..., None]
+    return (h * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_packed_token_ids_under_sharded_jit_match_full_batch(axis_type):
+    """Each device's ids are viewed as lines on that device (8 devices, 8 rows each)."""
+    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+    k = jax.random.split(jax.random.key(1), 4)
+    params = {
+        "emb": jax.random.normal(k[0], (VOCAB, WIDTH)),
+        "w": jax.random.normal(k[1], (WIDTH, WIDTH)) / 4,
+    }
+    q, d = token_batch(k[2], 64), token_batch(k[3], 64)
+    want = full_batch_value_and_grad(contrastive, one_hot_tower, 4, params, q, d)
+    q, d = jax.device_put((q, d), NamedSharding(mesh, P("d")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    batch_axis = "d" if axis_type == AxisType.Auto else None
+    f = jax.jit(gc_jax.cached_value_and_grad(contrastive, one_hot_tower, 4, batch_axis=batch_axis))
+    with jax.set_mesh(mesh):
+        got = f(params, q, d)
+        layout = gc_jax._distributed.layout_of(q, None, batch_axis)[1]
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
+    assert layout.shards == 8
+    assert _chunking._packable(q["ids"], _chunking.make_plan(64, 4, layout))

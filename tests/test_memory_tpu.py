@@ -67,3 +67,31 @@ def test_token_ids_are_not_copied_padded_to_128_lanes():
     assert f"s32[{rows},{cpu.TOKENS}]{{0,1" in hlo, "the ids are no longer rows-minor?"
     padded = re.findall(rf"= s32\[{rows},{cpu.TOKENS}\]{{1,0[^ ]*", hlo)
     assert not padded, f"the ids are copied rows-major (padded to 128 lanes): {padded}"
+
+
+def test_token_ids_are_not_copied_padded_on_a_v5e_slice_under_sharded_jit():
+    """The same on a v5e 4x4 slice, batch split over its 16 chips (auto axes, as
+    Tevatron sets them): each chip's ids are read as lines on that chip."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name="v5e:4x4", chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False),
+    )  # fmt: skip
+    mesh = Mesh(np.array(topo.devices), ("d",), axis_types=(AxisType.Auto,))
+    place = lambda tree, spec: jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), tree
+    )
+    local = 16384
+    ids = place(cpu.ids(16 * local), P("d"))
+    f = gc_jax.cached_value_and_grad(
+        cpu.blockwise, cpu.token_encoder, cpu.BF16_CHUNK, batch_axis="d"
+    )
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(f).lower(place(cpu.TOKEN_PARAMS, P()), ids, ids).compile().as_text()
+    assert f"s32[{local},{cpu.TOKENS}]{{0,1" in hlo, "the chip's ids are no longer rows-minor?"
+    padded = re.findall(rf"= s32\[{local},{cpu.TOKENS}\]{{1,0[^ ]*", hlo)
+    assert not padded, f"the ids are copied rows-major (padded to 128 lanes): {padded}"
