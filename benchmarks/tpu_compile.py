@@ -24,8 +24,9 @@ Search: batches lie on a grid of powers of two and their halfway points
 in the batch, so two compiles (fitting or not: a failed compile's message still gives
 its temporaries) predict the boundary; then the grid points around it are compiled
 until a fitting batch and the next grid point that does not fit are both measured.
-Per-row bytes are the slope of that affine fit (of the allocated totals) between the
-two largest batches measured; the fixed part is its value at batch 0.
+Per-row bytes are the slope of the affine fit of the allocated totals between the two
+largest batches that compiled ("-" when fewer than two did); the fixed part is its
+value at batch 0.
 
 Results are written to ``--json`` after every compile, merged into what the file
 already holds (so chips and modes can be re-run one at a time).
@@ -180,7 +181,10 @@ def search(probe, start: tuple[int, int], limit: float) -> dict:
         guess = max(guess, lo + 1)  # every index strictly between lo and hi is unseen
         guess = guess if hi is None else min(guess, hi - 1)
         seen[guess] = probe(grid(guess))
-    fixed, slope = affine({grid(i): seen[i] for i in seen})
+    # Reported: the fit through compiled batches only (a refused compile's figure is the
+    # compiler's temporaries + arguments, a different measure); None with fewer than 2.
+    compiled = {grid(i): seen[i] for i in seen if seen[i]["compiled"]}
+    fixed, slope = affine(compiled) if len(compiled) >= 2 else (None, None)
     return {"largest_fit": grid(lo) if lo >= 0 else None, "first_no_fit": grid(hi),
             "per_row_bytes": slope, "fixed_bytes": fixed,
             "compiles": {str(grid(i)): seen[i] for i in sorted(seen)}}  # fmt: skip
@@ -262,9 +266,12 @@ def report(table: dict) -> None:
             times = sorted(c["compile_s"] for c in r["compiles"].values() if c["compiled"])
             median = times[len(times) // 2] if times else float("nan")
             fit = f"{r['largest_fit']:,}" if r["largest_fit"] else "none"
+            compiled = {int(b): c for b, c in r["compiles"].items() if c["compiled"]}
+            fixed, slope = affine(compiled) if len(compiled) >= 2 else (None, None)
+            per_row = "-" if slope is None else f"{slope:,.0f}"
+            fixed = "-" if fixed is None else f"{fixed / GIB:.2f}"
             print(f"| {chip} | {entry['hbm'] / GIB:.2f} GiB | {mode} | {fit} | "
-                  f"{r['first_no_fit']:,} | {r['per_row_bytes']:,.0f} | "
-                  f"{r['fixed_bytes'] / GIB:.2f} | {median:.0f} |")  # fmt: skip
+                  f"{r['first_no_fit']:,} | {per_row} | {fixed} | {median:.0f} |")  # fmt: skip
 
 
 def main(argv=None) -> None:
