@@ -139,7 +139,9 @@ def _replace(tree: PyTree, wrt: tuple[bool, ...], new: list) -> PyTree:
     return treedef.unflatten([next(it) if w else x for x, w in zip(leaves, wrt, strict=True)])
 
 
-def _encoder(inp: Input, c, remat: bool = False, stacked: bool = False):
+def _encoder(
+    inp: Input, c, remat: bool = False, stacked: bool = False
+) -> Callable[[PyTree, list], PyTree]:
     """``f(params, diff)``: chunk ``c`` (None: the tail) encoded with its key.
 
     ``diff`` replaces the chunk's differentiated leaves (``inp.wrt``), so ``jax.vjp``
