@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=RESULTS)
     p.add_argument("--budget-gib", type=float, help="fit below this instead of the chip's HBM")
     p.add_argument("--quick", action="store_true", help="a tiny model (checks the search)")
+    p.add_argument("--start", nargs=2, type=int, metavar="ROWS",
+                   help="the two batches the search compiles first (default: near v5e's)")
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -229,7 +231,7 @@ def measure(args, cfg, mode: str, step, device, limit: float, on_compile) -> dic
               f" ({r['compile_s']:.0f} s)", flush=True)  # fmt: skip
         return r
 
-    start = (16, 64) if args.quick else START[mode]
+    start = (16, 64) if args.quick else args.start or START[mode]
     return dict(search(probe, start, limit), complete=True)
 
 

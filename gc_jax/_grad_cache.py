@@ -31,6 +31,7 @@ from flax import nnx
 
 from gc_jax import _flax, _validation, _value_and_grad
 from gc_jax._base import PyTree
+from gc_jax._token_chunks import TokenBudget
 
 
 def _is_array_tree(value: Any) -> bool:
@@ -107,7 +108,9 @@ class GradCache:
         all the models, ``nnx.Optimizer((a, b), tx, wrt=nnx.Param)`` and
         ``optimizer.update((a, b), grads)`` (one optimizer per tower would update
         the shared weights twice, and fails on the missing leaves).
-      chunk_sizes: rows encoded at once, one int for all models or one per model.
+      chunk_sizes: rows encoded at once, one int for all models or one per model; or
+        a :class:`gc_jax.TokenBudget` (chunks of at most that many tokens, rows
+        grouped by length and trimmed to a bucket), for all models or per model.
       loss_fn: ``loss_fn(*reps, **loss_kwargs)``, the scalar loss of the whole
         batch's representations, one per model (``(loss, aux)`` with ``has_aux``).
         Under ``axis_name`` it must return the global loss with the gradient of
@@ -165,7 +168,7 @@ class GradCache:
     def __init__(
         self,
         models: nnx.Module | Sequence[nnx.Module],
-        chunk_sizes: int | Sequence[int],
+        chunk_sizes: int | TokenBudget | Sequence[int | TokenBudget],
         loss_fn: Callable[..., Any],
         split_input_fn: Callable[[PyTree, int], list[PyTree]] | None = None,
         get_rep_fn: Callable[[Any], PyTree] | None = None,
@@ -180,8 +183,15 @@ class GradCache:
             if not isinstance(m, nnx.Module):
                 raise TypeError(f"models[{i}] must be an nnx.Module, got {type(m).__name__}.")
         self.chunk_sizes = _validation.per_input(
-            chunk_sizes, len(self.models), "chunk_sizes", _validation.positive_int, what="models"
+            chunk_sizes, len(self.models), "chunk_sizes", _validation.chunk_size, what="models"
         )
+        budgets = [i for i, c in enumerate(self.chunk_sizes) if isinstance(c, TokenBudget)]
+        if split_input_fn is not None and budgets:
+            raise ValueError(
+                f"chunk_sizes[{budgets[0]}] is a TokenBudget, which cuts chunks by tokens, but "
+                "split_input_fn cuts them by rows; pass one or the other (drop "
+                "split_input_fn: the budget already groups rows by length)."
+            )
         self.loss_fn = _validation.callable_arg(loss_fn, "loss_fn")
         for name, fn in (("split_input_fn", split_input_fn), ("get_rep_fn", get_rep_fn)):
             if fn is not None:

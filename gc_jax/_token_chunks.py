@@ -176,7 +176,7 @@ class TokenPlan(NamedTuple):
     def rows_of(self, index: BucketChunk) -> int:
         return self.rows[index.bucket]
 
-    def _where(self, index: BucketChunk) -> tuple[jax.Array, jax.Array]:
+    def where(self, index: BucketChunk) -> tuple[jax.Array, jax.Array]:
         """``[S, rows]`` row numbers (within each shard) of the chunk, and which are real."""
         b, size = index.bucket, self.rows[index.bucket]
         pos = index.turn * size + jnp.arange(size)
@@ -190,7 +190,7 @@ class TokenPlan(NamedTuple):
 
     def take(self, tree: PyTree, index: BucketChunk) -> PyTree:
         """The chunk's rows of every leaf, sequence leaves cut to the bucket's length."""
-        rows, _ = self._where(index)
+        rows, _ = self.where(index)
         length = self.lengths[index.bucket]
 
         def one(x):
@@ -201,7 +201,7 @@ class TokenPlan(NamedTuple):
 
     def take_cotangent(self, tree: PyTree, index: BucketChunk) -> PyTree:
         """The chunk's rows of a representation gradient; zero on padding rows."""
-        rows, valid = self._where(index)
+        rows, valid = self.where(index)
         valid = valid.reshape(-1)
 
         def one(g):
@@ -216,7 +216,7 @@ class TokenPlan(NamedTuple):
         A chunk leaf shorter than its buffer along axis 1 (a trimmed sequence leaf)
         fills the leading positions.
         """
-        rows, valid = self._where(index)
+        rows, valid = self.where(index)
         rows = jnp.where(valid, rows, self.batch_size // self.num_shards)  # dropped
         shard = jnp.broadcast_to(jnp.arange(self.num_shards)[:, None], rows.shape)
 

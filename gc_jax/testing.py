@@ -16,8 +16,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _chunking, _validation
+from gc_jax import _chunking, _token_chunks, _validation
 from gc_jax._base import PyTree
+from gc_jax._token_chunks import TokenBudget
 
 
 def _full_batch_reps(encode, params, x, chunk_size, rng, index):
@@ -25,22 +26,44 @@ def _full_batch_reps(encode, params, x, chunk_size, rng, index):
     gc_jax's keys so dropout draws the same masks (without one, all rows at once)."""
     if rng is None:
         return encode(params, x, None)
+    key = _chunking.input_key(rng, index)
+    if isinstance(chunk_size, _token_chunks.TokenBudget):
+        return _budget_reps(encode, params, x, chunk_size, key, index)
     batch = _validation.leading_size(x, f"inputs[{index}]")
     parts = [
         encode(
             params,
             jax.tree.map(lambda v, s=start: v[s : s + chunk_size], x),
-            _chunking.chunk_key(_chunking.input_key(rng, index), c),
+            _chunking.chunk_key(key, c),
         )
         for c, start in enumerate(range(0, batch, chunk_size))
     ]
     return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
 
 
+def _budget_reps(encode, params, x, budget, key, index):
+    """Every chunk a token budget can cut (its rows, trimmed length and key as gc_jax
+    has them; the lengths are traced, so a bucket's unused turns are encoded too and
+    write no row), scattered back to the batch's order, differentiably."""
+    plan = _token_chunks.make_plan(x, budget, f"inputs[{index}]")
+    out = None
+    for bucket, size in enumerate(plan.rows):
+        for turn in range(-(-plan.batch_size // size)):
+            chunk = _token_chunks.BucketChunk(bucket, turn)
+            reps = encode(params, plan.take(x, chunk), _chunking.chunk_key(key, plan.number(chunk)))
+            rows, valid = plan.where(chunk)
+            rows = jnp.where(valid, rows, plan.batch_size).reshape(-1)  # invalid: dropped
+            if out is None:
+                zeros = lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype)
+                out = jax.tree.map(zeros, reps)
+            out = jax.tree.map(lambda o, r, i=rows: o.at[i].set(r, mode="drop"), out, reps)
+    return out
+
+
 def full_batch_value_and_grad(
     loss_fn: Callable[..., Any],
     encoders: Callable | Sequence[Callable],
-    chunk_size: int | Sequence[int],
+    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
     *,
     has_aux: bool = False,
 ) -> Callable[..., Any]:
@@ -50,6 +73,13 @@ def full_batch_value_and_grad(
     (single device), but every representation stays in one autodiff graph, so it
     needs the whole batch's activations in memory. ``chunk_size`` is only used to
     hand each chunk the same dropout key as gc_jax does.
+
+    Without ``rng``, every input is encoded whole, at its padded length: with a
+    :class:`gc_jax.TokenBudget`, this also checks that trimming a chunk to its
+    bucket's length does not change the encoder's outputs. With ``rng``, each row is
+    encoded in the chunk, trimmed as gc_jax cuts it, with that chunk's key, so that
+    dropout draws the same masks (every chunk the budget could cut is encoded: meant
+    for small batches).
 
     Examples:
       >>> import jax.numpy as jnp, gc_jax
@@ -64,7 +94,7 @@ def full_batch_value_and_grad(
     def value_and_grad_fn(params, *inputs, rng=None, **loss_kwargs):
         n = len(inputs)
         encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-        sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.positive_int)
+        sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.chunk_size)
 
         def total(p):
             reps = [
@@ -81,7 +111,7 @@ def full_batch_value_and_grad(
 def assert_matches_full_batch(
     loss_fn: Callable[..., Any],
     encoders: Callable | Sequence[Callable],
-    chunk_size: int | Sequence[int],
+    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
     params: PyTree,
     *inputs: PyTree,
     rng: jax.Array | None = None,

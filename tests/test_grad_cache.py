@@ -63,6 +63,11 @@ def apply(model, params, x):
     return nnx.merge(graphdef, params, rest)(x)
 
 
+def apply_kw(model, params, kw):
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.merge(graphdef, params, rest)(**kw)
+
+
 @pytest.mark.parametrize("chunk_sizes", [1, 3, 4, 8, 100, [3, 5]])
 def test_two_models(chunk_sizes):
     mq, md = Tower(0), Tower(1)
@@ -113,12 +118,48 @@ def test_dict_inputs_get_rep_fn_and_loss_kwargs():
         rq = apply_kw(mq, pq, q)["pooled"]
         return contrastive_loss(rq, apply_kw(md, pd, d)["pooled"], temperature=0.3, reduction="sum")
 
-    def apply_kw(model, params, kw):
-        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-        return nnx.merge(graphdef, params, rest)(**kw)
+    ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
+    chex.assert_trees_all_close((loss, grads), ref_out, **TOL)
+
+
+class TextTower(nnx.Module):
+    """Embeds token ids and mean-pools over the mask: outputs ignore padding."""
+
+    def __init__(self, seed: int, vocab: int = 13):
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Embed(vocab, 16, rngs=rngs)
+        self.out = nnx.Linear(16, DOUT, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask):
+        m = attention_mask[..., None].astype(jnp.float32)
+        pooled = (jnp.tanh(self.embed(input_ids)) * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+        return self.out(pooled)
+
+
+def text(seed: int, rows: int = B, padded: int = 16):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    lengths = jax.random.randint(k1, (rows,), 1, padded + 1)
+    mask = (jnp.arange(padded)[None] < lengths[:, None]).astype(jnp.int32)
+    return {"input_ids": jax.random.randint(k2, (rows, padded), 1, 13) * mask,
+            "attention_mask": mask}  # fmt: skip
+
+
+@pytest.mark.parametrize("per_model", [False, True])
+def test_token_budget_chunk_sizes(per_model):
+    """A TokenBudget as chunk_sizes (for all models, or beside a row count) is exact."""
+    mq, md = TextTower(0), TextTower(1)
+    q, d = text(1), text(2)
+    budget = gc_jax.TokenBudget(tokens=32, buckets=(4, 8, 16))
+    gc = gc_jax.GradCache([mq, md], [3, budget] if per_model else budget, contrastive_loss)
+    loss, grads = gc(q, d)
+
+    def ref(pq, pd):
+        return contrastive_loss(apply_kw(mq, pq, q), apply_kw(md, pd, d))
 
     ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
     chex.assert_trees_all_close((loss, grads), ref_out, **TOL)
+    with pytest.raises(ValueError, match=r"chunk_sizes\[0\] is a TokenBudget.*split_input_fn"):
+        gc_jax.GradCache([mq, md], budget, contrastive_loss, split_input_fn=lambda x, n: [x])
 
 
 def test_list_inputs_are_positional_and_has_aux():

@@ -204,6 +204,28 @@ def test_dropout_replayed():
     assert not np.allclose(got[0], no_dropout[0])  # the masks did something
 
 
+def test_testing_reference_with_a_budget():
+    """gc_jax.testing takes a TokenBudget: its reference equals the numpy plan's above
+    (dropout) and the padded full batch (no rng); the check passes and catches an
+    encoder whose outputs change when chunks are trimmed."""
+    params, encoders = make_params(), towers(False, dropout=0.3)
+    q, d = text_batch(20, "bimodal", 11), text_batch(20, "uniform", 12)
+    rng = jax.random.key(4)
+    ref = jax.jit(gc_jax.testing.full_batch_value_and_grad(loss_fn, encoders, BUDGET))
+    want = reference_with_dropout(loss_fn, encoders, BUDGET, params, q, d, rng=rng)
+    chex.assert_trees_all_close(ref(params, q, d, rng=rng), want, **TOL)
+    no_rng = full_batch(loss_fn, encoders, params, q, d)
+    chex.assert_trees_all_close(ref(params, q, d), no_rng, **TOL)
+    gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, BUDGET, params, q, d, rng=rng,
+                                             rtol=2e-5, atol=2e-6)  # fmt: skip
+
+    def sees_padding(p, x, key):  # unmasked mean over every position
+        return towers(True)(p, x, key) + p["q"]["emb"][x["input_ids"]].mean((1, 2))[:, None]
+
+    with pytest.raises(AssertionError, match="differs from the full batch"):
+        gc_jax.testing.assert_matches_full_batch(loss_fn, sees_padding, BUDGET, params, q, d)
+
+
 def test_shard_map_plans_per_device():
     devices = 8
     mesh = jax.make_mesh((devices,), ("d",))
