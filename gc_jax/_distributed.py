@@ -199,8 +199,7 @@ class Layout(NamedTuple):
         under auto axes the compiler chooses them."""
         ndim = x.ndim - 1 if split else x.ndim
         if self.kind == "explicit":
-            spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-            spec = (*spec, *(None,) * x.ndim)[: x.ndim]
+            spec = (*typed_spec(x), *(None,) * x.ndim)[: x.ndim]
             rest = spec[1:] if split else spec
         else:
             rest = (PartitionSpec.UNCONSTRAINED,) * ndim
@@ -237,10 +236,39 @@ def stackable(params: PyTree, layout: Layout) -> bool:
     names = set(_names(layout.axes))
 
     def uses_batch_axes(p):
-        spec = getattr(getattr(jax.typeof(p), "sharding", None), "spec", None) or ()
-        return any(set(_names(s)) & names for s in spec if s is not None)
+        return any(set(_names(s)) & names for s in typed_spec(p) if s is not None)
 
     return not any(uses_batch_axes(p) for p in jax.tree.leaves(params))
+
+
+def typed_spec(x: jax.Array) -> tuple:
+    """The partition spec in ``x``'s type (``jit`` over explicit mesh axes), else ``()``."""
+    return tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
+
+
+def reshard_typed(v: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """``v`` resharded to ``spec`` over the mesh in its type, if its type is sharded.
+
+    Under ``jit`` over explicit mesh axes the sharding is part of the type, with or
+    without ``jax.set_mesh``; the mesh is taken from there. Under auto axes (or
+    unsharded) the type has no sharding and ``v`` is returned as is.
+    """
+    current = typed_spec(v)
+    if not any(a is not None for a in current) or current == tuple(spec):
+        return v
+    return jax.sharding.reshard(v, NamedSharding(jax.typeof(v).sharding.mesh, spec))
+
+
+def gathered_scoring(x: jax.Array, ys: jax.Array, whole_x: bool) -> tuple[jax.Array, jax.Array]:
+    """A loss's gather form under ``jit`` over explicit mesh axes: what each device needs.
+
+    Every device scores its rows of ``x`` (whole rows: an embedding dim sharded over
+    another axis is gathered) against all of ``ys``; with ``whole_x`` (the blockwise
+    loops) all of ``x`` too. Without explicit sharding this is a no-op.
+    """
+    rows = typed_spec(x)[:1] or (None,)
+    x = reshard_typed(x, PartitionSpec() if whole_x else PartitionSpec(rows[0], None))
+    return x, reshard_typed(ys, PartitionSpec())
 
 
 def _mesh_layout(mesh: Any, axes: Any) -> Layout:
@@ -252,10 +280,9 @@ def _mesh_layout(mesh: Any, axes: Any) -> Layout:
 
 def axis_layout(leaf: jax.Array, axis: int = 0) -> Layout | None:
     """The layout of ``leaf``'s ``axis`` read from its type (explicit mesh axes), or None."""
-    sharding = getattr(jax.typeof(leaf), "sharding", None)
-    spec = tuple(getattr(sharding, "spec", None) or ())
+    spec = typed_spec(leaf)
     if axis < len(spec) and spec[axis] is not None:
-        return _mesh_layout(sharding.mesh, spec[axis])
+        return _mesh_layout(jax.typeof(leaf).sharding.mesh, spec[axis])
     return None
 
 

@@ -57,7 +57,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gc_jax import _blockwise, _distributed, _ring, _validation
@@ -133,33 +132,6 @@ def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> 
     return _distributed.global_loss(share, axis_name)
 
 
-def _resharded(v: jax.Array, spec: P) -> jax.Array:
-    """``v`` resharded to ``spec`` over the mesh in its type, if its type is sharded.
-
-    Under ``jit`` over explicit mesh axes the sharding is part of the type, with or
-    without ``jax.set_mesh``; the mesh is taken from there. Under auto axes (or
-    unsharded) the type has no sharding and ``v`` is returned as is.
-    """
-    sharding = getattr(jax.typeof(v), "sharding", None)
-    current = tuple(getattr(sharding, "spec", None) or ())
-    if not any(a is not None for a in current) or current == tuple(spec):
-        return v
-    return jax.sharding.reshard(v, NamedSharding(sharding.mesh, spec))
-
-
-def _layout(x: jax.Array, ys: jax.Array, block_size: int | None) -> tuple[jax.Array, jax.Array]:
-    """The gather form under ``jit`` over explicit mesh axes: replicates what each device needs.
-
-    Every device scores its rows of ``x`` (whole rows: an embedding dim sharded over
-    another axis is gathered) against all of ``ys``. The blockwise loops also need all
-    of ``x``, so they run whole on every device. Without explicit sharding this is a
-    no-op.
-    """
-    rows = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or (None,)
-    x = _resharded(x, P() if block_size is not None else P(rows[0], None))
-    return x, _resharded(ys, P())
-
-
 def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
     """``scale * x @ ys.T + bias`` accumulated in at least float32, without casting x or ys."""
     acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
@@ -174,7 +146,7 @@ def _rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
         return _ring.rows(kind, x, y, jnp.arange(n) * k, scale, bias, block, axis_name)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
-    x, ys = _layout(x, ys, block_size)
+    x, ys = _distributed.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
         return _blockwise._call(kind, x, ys, targets, scale, bias, block_size)
     logits = _logits(x, ys, scale, bias)
