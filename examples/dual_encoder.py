@@ -103,11 +103,13 @@ COMMON_DEFAULTS = {
     "seed": 0,
     "data_seed": 0,
     "packages": list(retrieval_data.DEFAULT_PACKAGES),
+    "chunk_tokens": 0,
 }
 RUN_FLAGS = (
     "model",
     "batch",
     "chunk",
+    "chunk_tokens",
     "steps",
     "lr",
     "eval_size",
@@ -154,7 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--chunk-tokens",
         type=int,
-        default=0,
         metavar="TOKENS",
         help="cut chunks by a token budget instead of --chunk rows: at most TOKENS tokens per "
         f"chunk, rows trimmed to buckets {TOKEN_BUCKETS} (gc_jax.TokenBudget); 0: off (0)",
@@ -237,6 +238,8 @@ def take_saved_flags(parser: argparse.ArgumentParser, args, saved: dict[str, Any
     """Sets the run-defining flags to the saved ones; a conflicting flag is an error."""
     for name in RUN_FLAGS:
         given = getattr(args, name)
+        # A run saved before a flag existed ran with its default.
+        saved.setdefault(name, _as_json(COMMON_DEFAULTS.get(name)))
         if given is not None and _as_json(given) != saved[name]:
             parser.error(
                 f"{args.checkpoint_dir} holds a run with --{name.replace('_', '-')} "
