@@ -25,8 +25,8 @@ in the batch, so two compiles (fitting or not: a failed compile's message still 
 its temporaries) predict the boundary; then the grid points around it are compiled
 until a fitting batch and the next grid point that does not fit are both measured.
 Per-row bytes are the slope of the affine fit of the allocated totals between the two
-largest batches that compiled ("-" when fewer than two did); the fixed part is its
-value at batch 0.
+largest batches that compiled (when only the largest fit compiled, half of it is
+compiled too); the fixed part is its value at batch 0.
 
 Results are written to ``--json`` after every compile, merged into what the file
 already holds (so chips and modes can be re-run one at a time).
@@ -36,6 +36,7 @@ Usage (one command per chip; about 2-3 min per BERT-base compile on 2 cores)::
     python benchmarks/tpu_compile.py --chips v5e
     python benchmarks/tpu_compile.py --chips v6e v4 v5p --modes gc_bf16 gc_f32
     python benchmarks/tpu_compile.py --quick --budget-gib 0.05   # a tiny model, seconds
+    python benchmarks/tpu_compile.py --chips v5p --modes gc_bf16 --start 16777216 25165824
 """
 
 from __future__ import annotations
@@ -91,8 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=RESULTS)
     p.add_argument("--budget-gib", type=float, help="fit below this instead of the chip's HBM")
     p.add_argument("--quick", action="store_true", help="a tiny model (checks the search)")
-    p.add_argument("--start", nargs=2, type=int, metavar="ROWS",
-                   help="the two batches the search compiles first (default: near v5e's)")
+    p.add_argument(
+        "--start",
+        nargs=2,
+        type=int,
+        metavar="ROWS",
+        help="the two batches the search compiles first (default: near v5e's)",
+    )
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -183,6 +189,8 @@ def search(probe, start: tuple[int, int], limit: float) -> dict:
         guess = max(guess, lo + 1)  # every index strictly between lo and hi is unseen
         guess = guess if hi is None else min(guess, hi - 1)
         seen[guess] = probe(grid(guess))
+    if sum(r["compiled"] for r in seen.values()) < 2 and lo >= 2:  # for bytes per row
+        seen[lo - 2] = probe(grid(lo - 2))  # half the largest fit
     # Reported: the fit through compiled batches only (a refused compile's figure is the
     # compiler's temporaries + arguments, a different measure); None with fewer than 2.
     compiled = {grid(i): seen[i] for i in seen if seen[i]["compiled"]}

@@ -7,6 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_step
+import tpu_compile
 
 
 def test_gpu_step_worker_trains_the_tiny_model(capsys):
@@ -15,3 +16,24 @@ def test_gpu_step_worker_trains_the_tiny_model(capsys):
     (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert line["batch"] == 32 and line["chunk"] == 8 and line["finite"]
     assert line["median_s"] > 0 and "peak_bytes" in line  # None on a CPU
+
+
+def test_tpu_compile_search_brackets_the_largest_fit():
+    """The search on a fake compiler (affine bytes; refused above the limit): the largest
+    grid batch that fits, the next grid point refused, and two compiled batches for the
+    bytes per row, from starts below, around and above the boundary."""
+    fixed, per_row, limit = 3e9, 5e3, 16e9  # fits up to 2.6 M rows: 2^21 fits, 3 * 2^20 not
+    probed = []
+
+    def probe(rows):
+        probed.append(rows)
+        total = fixed + per_row * rows
+        return {"fits": total <= limit, "compiled": total <= limit, "allocated_total": total,
+                "total": total}  # fmt: skip
+
+    for start in [(2**10, 2**11), (2**20, 3 * 2**19), (2**21, 3 * 2**20), (2**24, 2**25)]:
+        probed.clear()
+        found = tpu_compile.search(probe, start, limit)
+        assert (found["largest_fit"], found["first_no_fit"]) == (2**21, 3 * 2**20), start
+        assert found["per_row_bytes"] == per_row and found["fixed_bytes"] == fixed
+        assert len(probed) == len(set(probed)) <= 6, (start, probed)  # no batch twice
