@@ -222,6 +222,16 @@ class Layout(NamedTuple):
         spec = PartitionSpec(self.axes, *(None,) * (len(shape) - 1))
         return jax.lax.reshape(x, shape, out_sharding=NamedSharding(self.mesh, spec))
 
+    def rows_split(self, x: jax.Array) -> jax.Array:
+        """``x`` (rows first) with its rows split like the batch's in its type (explicit
+        axes), when its type lost that split (e.g. a ``pure_callback``'s result); other
+        dims keep their sharding. Anything else: ``x`` itself."""
+        spec = typed_spec(x)
+        if self.kind != "explicit" or self.shards == 1 or (spec and spec[0] == self.axes):
+            return x
+        rest = (*spec[1:], *(None,) * x.ndim)[: x.ndim - 1]
+        return jax.sharding.reshard(x, NamedSharding(self.mesh, PartitionSpec(self.axes, *rest)))
+
     def shard_index(self) -> jax.Array:
         """``[0, 1, ..., shards - 1]``, each device holding its own shard's number."""
         return self.place(jnp.arange(self.shards), PartitionSpec(self.axes))

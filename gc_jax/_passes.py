@@ -18,6 +18,7 @@ carried through the encoder) are cached as they are and get no gradient.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -94,15 +95,30 @@ def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
     and the step all-reduces once. Device ``s``'s rows of chunk ``c`` get the key
     ``fold_in(key_c, s)``, in both passes.
 
-    Every input must be split the same way over more than one device, and no
-    parameter sharded over those mesh axes (FSDP): else the inputs are kept as they
-    are (one chunk spans the devices), with the same gradients.
+    Every input must be split the same way over more than one device, no parameter
+    sharded over those mesh axes (FSDP), and every encoder vmappable (else a warning
+    names it): else the inputs are kept as they are (one chunk spans the devices),
+    with the same gradients.
     """
     layouts = {(inp.plan.layout.mesh, inp.plan.layout.axes) for inp in inputs}
     layout = inputs[0].plan.layout
     if len(layouts) > 1 or not layout.per_device or not _distributed.stackable(params, layout):
         return inputs
-    return [inp._replace(per_device=True) for inp in inputs]
+    chosen = [inp._replace(per_device=True) for inp in inputs]
+    for inp in chosen:
+        try:
+            output_shapes(inp, params)  # traces the vmap of the encoder
+        except NotImplementedError as e:  # a primitive without a batching rule
+            warnings.warn(
+                f"{inp.name} cannot be vmapped over the devices' rows of a chunk ({e}); "
+                "each chunk spans the devices instead: the same gradients, all-reduced "
+                "chunk by chunk, and dropout keys fold_in(rng, c) without the device. Make "
+                "the encoder vmappable (e.g. jax.pure_callback(..., vmap_method="
+                "'sequential')) for one all-reduce per step.",
+                stacklevel=2,
+            )
+            return inputs
+    return chosen
 
 
 def _full_tail(plan: _chunking.ChunkPlan) -> bool:
@@ -160,6 +176,7 @@ def _encoder(
             reps = _encode_per_device(inp, encode, params, chunk, _key(inp, c), stacked)
         else:
             reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
+            reps = jax.tree.map(inp.plan.layout.rows_split, reps)
         _validation.rows(reps, inp.plan.num_shards * _chunking.rows_of(inp.plan, c), inp.name)
         return reps
 

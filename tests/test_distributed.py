@@ -10,6 +10,7 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -201,3 +202,20 @@ def test_parameters_sharded_over_the_batch_axes_are_not_copied_per_device():
     want = full_batch_value_and_grad(make_loss(), enc, 1, unsharded, *global_batch(1))
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
     assert got[1]["w2"].sharding.is_equivalent_to(params["w2"].sharding, 2)
+
+
+def test_an_encoder_that_cannot_be_vmapped_spans_the_devices_with_a_warning():
+    """A primitive without a batching rule (a pure_callback without ``vmap_method``):
+    per-device encoding cannot trace, so the chunks span the devices (exact), and a
+    warning says why and what to change. The callback's result is typed unsharded;
+    gc_jax splits its rows again."""
+
+    def enc(params, x, key):  # e.g. host-side features; the result type loses the sharding
+        x = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return encode(params, x, key)
+
+    mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(AxisType.Explicit,))
+    step = jax.jit(gc_jax.cached_value_and_grad(make_loss(), enc, 2))
+    with pytest.warns(UserWarning, match="cannot be vmapped.*vmap_method"):
+        got = step(make_params(), *sharded(mesh, *global_batch(1)))
+    chex.assert_trees_all_close(got, expected(1), rtol=2e-5, atol=2e-6)
