@@ -103,13 +103,25 @@ def on(device: jax.Device | None, tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
+_OOM = re.compile(
+    r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
+)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def out_of_memory(err: Exception) -> tuple[float, float] | None:
+    """``(temporaries, HBM)`` in bytes from the TPU compiler's out-of-memory error, or None."""
+    found = _OOM.search(str(err))
+    if "RESOURCE_EXHAUSTED" not in str(err) or not found:
+        return None
+    return tuple(float(found[i]) * _UNITS[found[i + 1]] for i in (1, 3))
+
+
 def _does_not_fit(err: Exception, start: float) -> dict:
     """The TPU compiler's out-of-memory error, as a row: its temporaries' figure."""
-    found = re.search(r"HLO temporaries \(([0-9.]+)([GM])\)", str(err))
-    if "RESOURCE_EXHAUSTED" not in str(err) or not found:
+    if (found := out_of_memory(err)) is None:
         raise err
-    temp = float(found[1]) * (GIB if found[2] == "G" else 2**20)
-    return {"arguments": 0, "temp": int(temp), "outputs": 0, "aliased": 0,
+    return {"arguments": 0, "temp": int(found[0]), "outputs": 0, "aliased": 0,
             "total": None, "compile_s": time.perf_counter() - start, "oom": True}  # fmt: skip
 
 

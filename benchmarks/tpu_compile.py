@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -80,7 +79,6 @@ MODES = ("full", "remat", "gc_f32", "gc_bf16")
 # runs of this script put it.
 START = {"full": (512, 768), "remat": (2048, 3072), "gc_f32": (2**20, 3 * 2**19),
          "gc_bf16": (2**21, 3 * 2**20)}  # fmt: skip
-_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -147,10 +145,9 @@ def compile_at(step, cfg, device, rows: int, budget: float | None) -> dict:
         try:
             compiled = jax.jit(step).lower(params, q, p).compile({"xla_dump_to": dump})
         except jax.errors.JaxRuntimeError as e:
-            found = _OOM.search(str(e))
-            if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+            if (found := extreme_batch.out_of_memory(e)) is None:
                 raise
-            temp, hbm = (float(g) * GIB for g in found.groups())
+            temp, hbm = found
             return {"fits": False, "compiled": False, "temp": temp, "total": args + temp + outs,
                     "allocated_total": args + temp, "hbm": hbm,
                     "compile_s": time.perf_counter() - start}  # fmt: skip

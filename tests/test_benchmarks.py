@@ -37,3 +37,15 @@ def test_tpu_compile_search_brackets_the_largest_fit():
         assert (found["largest_fit"], found["first_no_fit"]) == (2**21, 3 * 2**20), start
         assert found["per_row_bytes"] == per_row and found["fixed_bytes"] == fixed
         assert len(probed) == len(set(probed)) <= 6, (start, probed)  # no batch twice
+
+
+def test_out_of_memory_messages_are_read_in_any_unit():
+    import extreme_batch
+
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+               "HLO temporaries ({}) exceeds available HBM ({}).")  # fmt: skip
+    assert extreme_batch.out_of_memory(RuntimeError(message.format("1.37T", "95.74G"))) == (
+        1.37 * 2**40, 95.74 * 2**30)  # fmt: skip
+    assert extreme_batch.out_of_memory(RuntimeError(message.format("512.5M", "15.75G")))[0] == (
+        512.5 * 2**20)  # fmt: skip
+    assert extreme_batch.out_of_memory(RuntimeError("INTERNAL: something else")) is None
