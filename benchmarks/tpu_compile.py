@@ -26,7 +26,9 @@ its temporaries) predict the boundary; then the grid points around it are compil
 until a fitting batch and the next grid point that does not fit are both measured.
 Per-row bytes are the slope of the affine fit of the allocated totals between the two
 largest batches that compiled (when only the largest fit compiled, half of it is
-compiled too); the fixed part is its value at batch 0.
+compiled too); the fixed part is its value at batch 0. The table prints them for
+gc_jax only: near the HBM limit the compiler rematerialises the baselines by itself,
+so their memory is not affine in the batch there.
 
 Results are written to ``--json`` after every compile, merged into what the file
 already holds (so chips and modes can be re-run one at a time).
@@ -275,6 +277,8 @@ def report(table: dict) -> None:
             fit = f"{r['largest_fit']:,}" if r["largest_fit"] else "none"
             compiled = {int(b): c for b, c in r["compiles"].items() if c["compiled"]}
             fixed, slope = affine(compiled) if len(compiled) >= 2 else (None, None)
+            if not mode.startswith("gc"):  # the compiler rematerialises near the HBM: not affine
+                fixed = slope = None
             per_row = "-" if slope is None else f"{slope:,.0f}"
             fixed = "-" if fixed is None else f"{fixed / GIB:.2f}"
             print(f"| {chip} | {entry['hbm'] / GIB:.2f} GiB | {mode} | {fit} | "
