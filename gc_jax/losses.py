@@ -56,7 +56,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from gc_jax import _blockwise, _distributed, _ring, _validation
@@ -150,9 +149,13 @@ def _rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
     if block_size is not None:
         return _blockwise._call(kind, x, ys, targets, scale, bias, block_size)
     logits = _logits(x, ys, scale, bias)
+    positive = jnp.arange(ys.shape[0]) == targets[:, None]
     if kind is _blockwise._Softmax:
-        return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
-    labels = 2.0 * jax.nn.one_hot(targets, ys.shape[0], dtype=logits.dtype) - 1.0
+        # Not optax's integer-label cross-entropy: its per-row gather transposes to a
+        # scatter whose sharding JAX 0.12 cannot infer under explicit mesh axes.
+        pos = jnp.sum(jnp.where(positive, logits, 0), axis=1)
+        return jax.nn.logsumexp(logits, axis=1) - pos
+    labels = jnp.where(positive, 1.0, -1.0).astype(logits.dtype)
     return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
 
 
