@@ -18,8 +18,9 @@ the array types, an auto mesh named by ``batch_axis``, or a single device):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -269,6 +270,19 @@ def reshard_typed(v: jax.Array, spec: PartitionSpec) -> jax.Array:
     return jax.sharding.reshard(v, NamedSharding(jax.typeof(v).sharding.mesh, spec))
 
 
+def typed_like(v: jax.Array, like: jax.Array) -> jax.Array:
+    """``v`` resharded to the explicit sharding in ``like``'s type, if they differ.
+
+    An accumulator a user (or ``jnp.zeros_like`` without a context mesh) made
+    unsharded meets gradients sharded like the parameters in a loop carry: both
+    must have one type.
+    """
+    spec = typed_spec(like)
+    if not any(a is not None for a in spec) or typed_spec(v) == spec:
+        return v
+    return jax.sharding.reshard(v, jax.typeof(like).sharding)
+
+
 def gathered_scoring(x: jax.Array, ys: jax.Array, whole_x: bool) -> tuple[jax.Array, jax.Array]:
     """A loss's gather form under ``jit`` over explicit mesh axes: what each device needs.
 
@@ -279,6 +293,41 @@ def gathered_scoring(x: jax.Array, ys: jax.Array, whole_x: bool) -> tuple[jax.Ar
     rows = typed_spec(x)[:1] or (None,)
     x = reshard_typed(x, PartitionSpec() if whole_x else PartitionSpec(rows[0], None))
     return x, reshard_typed(ys, PartitionSpec())
+
+
+def typed_mesh(tree: PyTree) -> Any:
+    """The mesh in the types of ``tree``'s leaves (``jit`` over explicit axes), or None."""
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):  # e.g. an encoder in a NamedTuple
+            continue
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and any(s is not None for s in typed_spec(leaf)):
+            return mesh
+    return None
+
+
+def types_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under the mesh its arguments' types name, when no mesh is set.
+
+    Under ``jit`` over *explicit* mesh axes the sharding is part of each array's type,
+    and users need not call ``jax.set_mesh``. Since JAX 0.12 new arrays (``zeros_like``,
+    ``full``) are typed against the *context* mesh, so without one they come out
+    unsharded and clash with the sharded values they meet (a loop carry, an update).
+    Inside ``fn`` the context mesh is the one the arguments already live on, as if
+    the user had set it; with a mesh set, or no explicit sharding, nothing changes.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        mesh = None
+        if jax.sharding.get_abstract_mesh().empty:
+            mesh = typed_mesh((args, kwargs))
+        if mesh is None:
+            return fn(*args, **kwargs)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _mesh_layout(mesh: Any, axes: Any) -> Layout:

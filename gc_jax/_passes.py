@@ -225,6 +225,7 @@ def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
     return jax.tree.map(one, shapes)
 
 
+@_distributed.types_mesh
 def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype: Any = None,
             after: PyTree = ()) -> tuple[PyTree, Any]:  # fmt: skip
     """Pass 1: the batch's representations, and the tail's VJP if ``keep_tail``.
@@ -315,6 +316,7 @@ def _pullback(inp: Input, shapes: PyTree, rep_grad: PyTree, c, vjp=None):
     return step
 
 
+@_distributed.types_mesh
 def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, *,
              tail_vjps: list | None = None) -> tuple[PyTree, list[list]]:  # fmt: skip
     """Pass 2 of every input: ``acc`` plus every chunk's parameter gradient.
@@ -332,6 +334,7 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
       ``(acc, batch_grads)``: ``batch_grads[i]`` lists the gradients of the
       differentiated leaves of input ``i``'s batch (``inputs[i].wrt``).
     """
+    acc = jax.tree.map(_distributed.typed_like, acc, params)  # the gradients' own type
     if not inputs[0].per_device:
         return _backward(inputs, params, params, rep_grads, acc, tail_vjps)
     stack = inputs[0].plan.layout.stack

@@ -234,6 +234,7 @@ def cached_value_and_grad(
     chunk_size = _validation.chunk_sizes(chunk_size)
     cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
 
+    @_distributed.types_mesh
     def value_and_grad_fn(
         params: PyTree,
         *inputs: PyTree,

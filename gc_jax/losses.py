@@ -166,6 +166,7 @@ def _use_ring(method: str, layout: _distributed.Layout, gathered: int) -> bool:
     return layout.shards > 1 and gathered > _GATHER_BYTES
 
 
+@_distributed.types_mesh
 def _run(local, x, y, scalars, *, reduction, method, axis_name, sides):
     """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
 
