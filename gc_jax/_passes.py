@@ -227,12 +227,15 @@ def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
 
 @_distributed.types_mesh
 def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype: Any = None,
-            after: PyTree = ()) -> tuple[PyTree, Any]:  # fmt: skip
+            after: PyTree | None = ()) -> tuple[PyTree, Any]:  # fmt: skip
     """Pass 1: the batch's representations, and the tail's VJP if ``keep_tail``.
 
     The cache has the encoder's own dtype (``cache_dtype`` overrides it for float
     outputs). A kept tail is encoded after every other chunk and after ``after`` (the
     caches already written), so no other chunk's activations overlap with its own.
+    ``after=None``: every chunk of the step is kept (plain full-batch training), so
+    there is nothing to wait for, and the compiler schedules the step as it would the
+    full batch (a barrier there costs memory: 11 % with three inputs on JAX 0.12).
     """
     like = _cache_like(output_shapes(inp, params), cache_dtype)
     vma = _distributed.varying_axes_of((params, inp.batch))
@@ -248,7 +251,8 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
             return cache, None
         return _put_tail(cache, _encoder(inp, None)(params, _diff(inp, None)), inp.plan), None
     # The barrier orders the kept chunk's forward after all other pass-1 work.
-    (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
+    if after is not None:
+        (cache, after), params = jax.lax.optimization_barrier(((cache, after), params))
     stacked = inp.per_device  # the kept VJP's gradients: one per device, as pass 2's
     own = jax.tree.map(inp.plan.layout.stack, params) if stacked else params
     reps, vjp = jax.vjp(_encoder(inp, None, True, stacked), own, _diff(inp, None))

@@ -258,7 +258,7 @@ def cached_value_and_grad(
         for i, inp in enumerate(planned):
             keep = keep_all or (keep_last and i == len(planned) - 1)
             cache, vjp = _passes.forward(
-                inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=reps
+                inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=None if keep_all else reps
             )
             _check_differentiable(cache, inp, i)
             reps += (cache,)
