@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import json
 import math
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -404,21 +406,35 @@ def test_resume_refuses_different_run_flags_and_foreign_directories(straight_run
     assert "is not empty but holds no run" in capsys.readouterr().err
 
 
+def _def_line(hit) -> str:
+    """The source line a hit points at, read from the installed module's file."""
+    origin = importlib.util.find_spec(hit.pair.module).origin
+    return Path(origin).read_text().splitlines()[hit.pair.line - 1].strip()
+
+
 def test_search_finds_the_function_described(straight_run, capsys):
+    """Whatever the corpus mined from the installed packages, a query made of one of
+    its functions' docstrings is searched, printed, located and cached correctly."""
     directory, _ = straight_run
-    query = "Deserialize a JSON document from a .read()-supporting file-like object"
-    result = search.main([str(directory), query, "--top-k", "3"])
+    pairs, _ = run_dir.load_pairs(directory / run_dir.DATA)
+    names = [(p.module, p.name) for p in pairs]
+    described = next(p for p in pairs if names.count((p.module, p.name)) == 1)
+    result = search.main([str(directory), described.query, "--top-k", "3"])
     out = capsys.readouterr().out
     hits = result["hits"]
+    assert len(hits) == 3 and f"embedded {len(pairs)} functions" in out
     assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
-    load = next(h for h in hits if (h.pair.module, h.pair.name) == ("json", "load"))
-    assert f"json:{load.pair.line}  load" in out and "embedded 100 functions" in out
-    source = Path(json.__file__).read_text().splitlines()
-    assert source[load.pair.line - 1].startswith("def load(")
+    for hit in hits:  # each printed as "module:line  name", and the line is its def
+        assert f"{hit.location}  {hit.pair.name}" in out
+        short = hit.pair.name.split(".")[-1]
+        assert re.match(rf"(async\s+)?def {re.escape(short)}\(", _def_line(hit)), hit
 
+    everything = search.main([str(directory), described.query, "--top-k", str(len(pairs))])
+    assert [h.pair for h in everything["hits"]].count(described) == 1
     cache = directory / run_dir.SEARCH_CACHE / "corpus-step60.npy"
     written = cache.stat().st_mtime_ns
-    again = search.main([str(directory), query, "--top-k", "3"])["hits"]
+    capsys.readouterr()
+    again = search.main([str(directory), described.query, "--top-k", "3"])["hits"]
     assert "embedded" not in capsys.readouterr().out and cache.stat().st_mtime_ns == written
     assert again == hits
 
