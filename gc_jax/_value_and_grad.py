@@ -257,8 +257,9 @@ def cached_value_and_grad(
         reps, kept = (), []
         for i, inp in enumerate(planned):
             keep = keep_all or (keep_last and i == len(planned) - 1)
+            after = None if keep_all else reps  # plain full-batch training: no order
             cache, vjp = _passes.forward(
-                inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=None if keep_all else reps
+                inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=after
             )
             _check_differentiable(cache, inp, i)
             reps += (cache,)

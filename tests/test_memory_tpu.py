@@ -7,8 +7,11 @@ bytes are made of. When libtpu is missing the test fails: it is never skipped.
 """
 
 import functools
+import glob
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import jax
 import pytest
@@ -35,24 +38,47 @@ def on_tpu(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def total_bytes(rows: int) -> int:
+# A buffer-assignment line; libtpu 0.0.42 writes "size N, preallocated-temp", newer
+# ones "size N, page 0, preallocated-temp", with "color C, " before the page for the
+# other memories (1: the on-chip VMEM; 2 and 6: a few bytes of flags and semaphores).
+TEMP = re.compile(
+    r"^allocation \d+: size (\d+),(?: color (\d+),)?(?: page \d+,)? preallocated-temp", re.M
+)
+
+
+def allocated_bytes(rows: int) -> int:
+    """What the chip holds for the step: arguments, outputs and the buffer assignment's
+    temporaries in HBM and VMEM (``memory_analysis()`` counts HBM temp only, and
+    over-counts it: see ``../BENCHMARKS.md``)."""
     f = gc_jax.cached_value_and_grad(cpu.blockwise, cpu.token_encoder, cpu.BF16_CHUNK)
     args = on_tpu((cpu.TOKEN_PARAMS, cpu.ids(rows), cpu.ids(rows)))
-    m = jax.jit(f).lower(*args).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = jax.jit(f).lower(*args).compile({"xla_dump_to": dump})
+        (path,) = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
+        temps = TEMP.findall(Path(path).read_text())
+    assert temps, f"no preallocated-temp line parsed in {path}: has the format changed?"
+    m = compiled.memory_analysis()
+    temp = sum(int(size) for size, color in temps if color in ("", "1"))
+    return m.argument_size_in_bytes + m.output_size_in_bytes + temp
 
 
-@pytest.mark.parametrize("small, large", [(4096, 16384)])
+@pytest.mark.parametrize("small, large", [(2**20, 2**21)])
 def test_bf16_batch_memory_per_row_on_a_v5e_chip(small, large):
-    """Per row: at most 1.10 x the floor (both inputs' ids, three bfloat16 rows).
+    """Per row: at most 1.15 x the floor (both inputs' ids, three bfloat16 rows).
 
     The floor is ``tests.test_memory.FLOOR``, the same as on XLA:CPU. Before the
     ids were read as whole lines (``gc_jax._chunking.pack``) the TPU compiler copied
-    them into a buffer padded to 128 lanes: 1,806 bytes per row here, 2.2 x the floor.
+    them into a buffer padded to 128 lanes: 2.2 x the floor; one more batch-sized
+    bfloat16 buffer would be 1.31 x. Measured (both colours): 948 bytes per row (1.14 x)
+    with libtpu 0.0.42 (JAX 0.10.2) and 0.0.50 (JAX 0.12).
+
+    The batches are large (2^20 and 2^21 rows) because libtpu 0.0.50 places batch-sized
+    temporaries of up to about 100 MiB in VMEM: at 4,096 to 16,384 rows every cache
+    lived there, and ``memory_analysis()`` (HBM only) grew by 56 bytes per row.
     """
     assert v5e_chip().device_set.pop().platform == "tpu"
-    growth = (total_bytes(large) - total_bytes(small)) / (large - small)
-    bound = 1.1 * cpu.FLOOR
+    growth = (allocated_bytes(large) - allocated_bytes(small)) / (large - small)
+    bound = 1.15 * cpu.FLOOR
     assert growth <= bound, f"{growth:.0f} bytes per row on a v5e chip; bound {bound:.0f}"
     assert growth >= cpu.FLOOR, f"{growth:.0f} bytes per row: below the floor {cpu.FLOOR}?"
 
