@@ -215,6 +215,12 @@ class Layout(NamedTuple):
         stacked = jnp.broadcast_to(x[None], (self.shards, *x.shape))
         return self.place(stacked, self.stacked_spec(x, False))
 
+    @property
+    def shards_sharding(self) -> NamedSharding | None:
+        """Under explicit axes, how an array with a leading shard axis is split (each
+        device its shard): an ``out_sharding`` JAX cannot infer for a scatter; else None."""
+        return NamedSharding(self.mesh, PartitionSpec(self.axes)) if self.kind == "explicit" else None
+
     def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         """``x`` (leading axis: the shards) reshaped, the shards staying split over
         ``axes`` (under explicit axes the output sharding must be stated)."""

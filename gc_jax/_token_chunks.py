@@ -218,16 +218,19 @@ class TokenPlan(NamedTuple):
         """
         rows, valid = self.where(index)
         rows = jnp.where(valid, rows, self.batch_size // self.num_shards)  # dropped
-        shard = jnp.broadcast_to(jnp.arange(self.num_shards)[:, None], rows.shape)
+        shard = jnp.zeros_like(rows) + jnp.arange(self.num_shards)[:, None]  # typed as rows
+        reshape = self.layout.reshape  # the shards stay split over the devices
 
         def write(buf, piece):
-            bufs = buf.reshape(self.num_shards, -1, *buf.shape[1:])
-            piece = piece.reshape(*rows.shape, *piece.shape[1:])
+            bufs = reshape(buf, (self.num_shards, buf.shape[0] // self.num_shards, *buf.shape[1:]))
+            piece = reshape(piece, (*rows.shape, *piece.shape[1:]))
+            out = self.layout.shards_sharding  # explicit axes: say it (JAX cannot infer it)
             if piece.ndim >= 3 and piece.shape[2] != bufs.shape[2]:
-                bufs = bufs.at[shard, rows, : piece.shape[2]].set(piece, mode="drop")
+                at = bufs.at[shard, rows, : piece.shape[2]]
             else:
-                bufs = bufs.at[shard, rows].set(piece, mode="drop")
-            return bufs.reshape(buf.shape)
+                at = bufs.at[shard, rows]
+            bufs = at.set(piece, mode="drop", out_sharding=out)
+            return reshape(bufs, buf.shape)
 
         def one(buf, piece):
             piece = piece.astype(buf.dtype)
@@ -334,7 +337,7 @@ def _spans(bucket: jax.Array, rows: tuple[int, ...]):
     for b, size in enumerate(rows):
         end = bucket.shape[1] if b == len(rows) - 1 else start + (fits[:, b] - start) // size * size
         starts.append(start)
-        ends.append(jnp.broadcast_to(end, start.shape))
+        ends.append(jnp.zeros_like(start) + end)  # typed like start (sharded shards)
         start = ends[-1]
     starts, ends = jnp.stack(starts, 1), jnp.stack(ends, 1)
     trips = jnp.max(-(-(ends - starts) // jnp.asarray(rows)), axis=0)

@@ -7,6 +7,8 @@ bucket changes nothing but float rounding.
 
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -35,12 +37,17 @@ def make_params():
     return {"q": make_tower(0), "d": make_tower(1), "log_temp": jnp.array(-1.0)}
 
 
-def transformer(pooling, dropout=0.0):
-    """``encode(tower, batch, key)``: one masked attention layer, then pooling."""
+def transformer(pooling, dropout=0.0, one_hot=False):
+    """``encode(tower, batch, key)``: one masked attention layer, then pooling.
+
+    ``one_hot``: the embedding lookup as a one-hot product, which traces under
+    explicit mesh axes (an indexed lookup needs its ``out_sharding`` said there).
+    """
 
     def encode(p, batch, key):
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        x = p["emb"][ids] + p["pos"][: ids.shape[1]]
+        emb = jax.nn.one_hot(ids, VOCAB) @ p["emb"] if one_hot else p["emb"][ids]
+        x = emb + p["pos"][: ids.shape[1]]
         q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
         scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
         scores = jnp.where(mask[:, None, :] > 0, scores, -1e9)
@@ -58,8 +65,8 @@ def transformer(pooling, dropout=0.0):
     return encode
 
 
-def towers(tied, dropout=0.0):
-    q_enc, d_enc = transformer("mean", dropout), transformer("first", dropout)
+def towers(tied, dropout=0.0, one_hot=False):
+    q_enc, d_enc = transformer("mean", dropout, one_hot), transformer("first", dropout, one_hot)
     if tied:
         return lambda p, x, key: q_enc(p["q"], x, key)
     return [lambda p, x, key: q_enc(p["q"], x, key), lambda p, x, key: d_enc(p["d"], x, key)]
@@ -246,6 +253,32 @@ def test_sharded_jit_plans_per_shard():
     with jax.set_mesh(mesh):
         got = grad_fn(params, put(q), put(d))
     chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
+
+
+@pytest.mark.parametrize("set_mesh", [False, True])
+def test_sharded_jit_over_explicit_axes(set_mesh):
+    """Explicit axes (``jax.make_mesh``'s default), with and without ``jax.set_mesh``:
+    every entry point, exact, the batch's shards planned per device."""
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    params, encoders = make_params(), towers(False, one_hot=True)
+    q, d = text_batch(16, "bimodal", 15), text_batch(16, "uniform", 16)
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
+    want = full_batch(loss_fn, encoders, params, q, d)
+    cached = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
+    q_enc, d_enc = (gc_jax.chunked_encoder(e, BUDGET) for e in encoders)
+    chunked = jax.jit(jax.value_and_grad(
+        lambda p, q, d: loss_fn(p, q_enc(p, q, None), d_enc(p, d, None))
+    ))  # fmt: skip
+    opt = optax.sgd(0.5)
+    step = jax.jit(gc_jax.make_train_step(loss_fn, encoders, BUDGET, optimizer=opt))
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        got = [cached(params, put(q), put(d)), chunked(params, put(q), put(d))]
+        (new, _), metrics = step((params, opt.init(params)), put(q), put(d))
+    for value_and_grads in got:
+        chex.assert_trees_all_close(jax.device_get(value_and_grads), want, **TOL)
+    chex.assert_trees_all_close(jax.device_get(metrics["loss"]), want[0], **TOL)
+    want_new = jax.tree.map(lambda p, g: p - 0.5 * g, params, want[1])
+    chex.assert_trees_all_close(jax.device_get(new), want_new, **TOL)
 
 
 def test_one_compiled_shape_per_bucket():
