@@ -219,7 +219,9 @@ class Layout(NamedTuple):
     def shards_sharding(self) -> NamedSharding | None:
         """Under explicit axes, how an array with a leading shard axis is split (each
         device its shard): an ``out_sharding`` JAX cannot infer for a scatter; else None."""
-        return NamedSharding(self.mesh, PartitionSpec(self.axes)) if self.kind == "explicit" else None
+        if self.kind != "explicit":
+            return None
+        return NamedSharding(self.mesh, PartitionSpec(self.axes))
 
     def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         """``x`` (leading axis: the shards) reshaped, the shards staying split over
