@@ -21,9 +21,9 @@ that does not fit fails to compile (recorded as such, with the compiler's figure
 
 Usage::
 
-    python benchmarks/extreme_batch.py                 # gc_jax 2^12..2^20, baselines to 2^16
-    python benchmarks/extreme_batch.py --quick         # a tiny model, seconds
-    python benchmarks/extreme_batch.py --platform tpu --log2-batches 20 21 --baseline-max-log2 0
+    python -m benchmarks.extreme_batch                 # gc_jax 2^12..2^20, baselines to 2^16
+    python -m benchmarks.extreme_batch --quick         # a tiny model, seconds
+    python -m benchmarks.extreme_batch --platform tpu --log2-batches 20 21 --baseline-max-log2 0
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import glob
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,8 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bert
+from benchmarks import bert
 
 GIB, KIB = 2**30, 2**10
 LIMIT = 16 * GIB  # one TPU v5e chip's HBM

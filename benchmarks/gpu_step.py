@@ -20,8 +20,8 @@ On a CPU use ``--tiny`` (a 2-layer model) to check that the script works.
 
 Usage::
 
-    python benchmarks/gpu_step.py --compare 512 --grow 16384 65536 262144
-    python benchmarks/gpu_step.py --tiny --compare 64 --grow 128 256   # CPU smoke test
+    python -m benchmarks.gpu_step --compare 512 --grow 16384 65536 262144
+    python -m benchmarks.gpu_step --tiny --compare 64 --grow 128 256   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bert
+from benchmarks import bert
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]  # where ``python -m benchmarks.gpu_step`` runs
 TINY = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128, query_len=8, passage_len=16)
 
 
@@ -96,13 +96,16 @@ def worker(args: argparse.Namespace, cfg: bert.BertConfig) -> None:
 
 
 def run_child(args: argparse.Namespace, variant: str, batches: list[int], timeout: float) -> list:
-    cmd = [sys.executable, __file__, "--worker", variant, "--batches", *map(str, batches),
-           "--chunk", str(args.chunk), "--grow-chunk", str(args.grow_chunk),
-           "--block", str(args.block), "--steps", str(args.steps),
-           "--budget-s", str(args.budget_s)] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks.gpu_step", "--worker", variant,
+           "--batches", *map(str, batches), "--chunk", str(args.chunk),
+           "--grow-chunk", str(args.grow_chunk), "--block", str(args.block),
+           "--steps", str(args.steps), "--budget-s", str(args.budget_s),
+           *(["--tiny"] if args.tiny else [])]  # fmt: skip
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
         stdout, code = out.stdout, out.returncode
         err = out.stderr.strip().splitlines()[-1:] if out.returncode else []
     except subprocess.TimeoutExpired as e:

@@ -21,22 +21,20 @@ takes no ``block_size``.
 
 Usage::
 
-    python benchmarks/memory.py --plot benchmarks/plots/memory_vs_batch.png
-    python benchmarks/memory.py --quick
+    python -m benchmarks.memory --plot benchmarks/plots/memory_vs_batch.png
+    python -m benchmarks.memory --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+from benchmarks import common
 
 MIB = 2**20
 VARIANTS = ["full", "remat", "remat_layers", "gc", "remat_layers_block", "gc_block"]

@@ -19,22 +19,19 @@ vjp_chunked`` (the core keeps the last chunk's forward from pass 1) and
 
 Usage::
 
-    python benchmarks/profile_passes.py
-    python benchmarks/profile_passes.py --quick
+    python -m benchmarks.profile_passes
+    python -m benchmarks.profile_passes --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+from benchmarks import common
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

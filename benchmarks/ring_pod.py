@@ -18,8 +18,8 @@ largest all-gather in bytes (a batch-sized all-gather is the gather form's cost)
 
 Usage::
 
-    python benchmarks/ring_pod.py                   # the full table, JSON and plot
-    python benchmarks/ring_pod.py --chips 16 --losses contrastive   # one point
+    python -m benchmarks.ring_pod                   # the full table, JSON and plot
+    python -m benchmarks.ring_pod --chips 16 --losses contrastive   # one point
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def main(argv=None) -> None:
             flush=True,
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/ring_pod.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.ring_pod " + " ".join(sys.argv[1:])
     meta = {"commands": [command], "jax": jax.__version__, "dim": args.dim,
             "block_size": args.block}  # fmt: skip
     if args.update:

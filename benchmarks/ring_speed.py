@@ -8,10 +8,10 @@ float32 rows; under sharded ``jit`` (explicit mesh axes: the gather form replica
 the rows and every device computes the whole loss) and inside ``shard_map`` with
 ``axis_name`` (the gather form all-gathers the other side and computes its own rows).
 
-Usage::
+Usage (from the repository root)::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
-        python benchmarks/ring_speed.py            # 8 x 256 rows, d = 64, 11 rounds
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m benchmarks.ring_speed            # 8 x 256 rows, d = 64, 11 rounds
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
 import gc_jax
+from benchmarks import common
 
 HERE = Path(__file__).resolve().parent
 
@@ -88,7 +86,7 @@ def main(argv=None) -> None:
     times = common.interleaved_times(
         {k: (lambda f=f: f()) for k, f in fns.items()}, (), args.rounds
     )
-    out = {"meta": {"command": "python benchmarks/ring_speed.py " + " ".join(sys.argv[1:]),
+    out = {"meta": {"command": "python -m benchmarks.ring_speed " + " ".join(sys.argv[1:]),
                     "devices": devices, "machine": common.machine(), **vars(args)},
            "losses": {}}  # fmt: skip
     for name in [f"{layout}/{loss}" for layout in layouts for loss in args.losses]:

@@ -17,24 +17,22 @@ caching, same chunk size (``--batches``); ``--plot`` writes it as a PNG.
 
 Usage::
 
-    python benchmarks/speed.py                     # headline + batch sweep
-    python benchmarks/speed.py --plot benchmarks/plots/time_per_example.png
-    python benchmarks/speed.py --quick             # small sanity run, a few seconds
+    python -m benchmarks.speed                     # headline + batch sweep
+    python -m benchmarks.speed --plot benchmarks/plots/time_per_example.png
+    python -m benchmarks.speed --quick             # small sanity run, a few seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+from benchmarks import common
 
 LABELS = {
     "full": "full batch (jax.value_and_grad)",

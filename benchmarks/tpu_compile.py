@@ -35,10 +35,10 @@ already holds (so chips and modes can be re-run one at a time).
 
 Usage (one command per chip; about 2-3 min per BERT-base compile on 2 cores)::
 
-    python benchmarks/tpu_compile.py --chips v5e
-    python benchmarks/tpu_compile.py --chips v6e v4 v5p --modes gc_bf16 gc_f32
-    python benchmarks/tpu_compile.py --quick --budget-gib 0.05   # a tiny model, seconds
-    python benchmarks/tpu_compile.py --chips v5p --modes gc_bf16 --start 16777216 25165824
+    python -m benchmarks.tpu_compile --chips v5e
+    python -m benchmarks.tpu_compile --chips v6e v4 v5p --modes gc_bf16 gc_f32
+    python -m benchmarks.tpu_compile --quick --budget-gib 0.05   # a tiny model, seconds
+    python -m benchmarks.tpu_compile --chips v5p --modes gc_bf16 --start 16777216 25165824
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from importlib import metadata
@@ -60,11 +59,8 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bert
-import extreme_batch
-
 import gc_jax
+from benchmarks import bert, extreme_batch
 from gc_jax._chunk_size import device_memory
 
 GIB, KIB = 2**30, 2**10

@@ -1,13 +1,8 @@
 """The accelerator benchmark runs (on this CPU, with a tiny model) and reports what it says."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gpu_step
-import tpu_compile
+from benchmarks import extreme_batch, gpu_step, tpu_compile
 
 
 def test_gpu_step_worker_trains_the_tiny_model(capsys):
@@ -40,8 +35,6 @@ def test_tpu_compile_search_brackets_the_largest_fit():
 
 
 def test_out_of_memory_messages_are_read_in_any_unit():
-    import extreme_batch
-
     message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
                "HLO temporaries ({}) exceeds available HBM ({}).")  # fmt: skip
     assert extreme_batch.out_of_memory(RuntimeError(message.format("1.37T", "95.74G"))) == (
