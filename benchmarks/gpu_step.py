@@ -38,11 +38,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks import bert
+from benchmarks import bert, common
 
 GIB = 2**30
-ROOT = Path(__file__).resolve().parents[1]  # where ``python -m benchmarks.gpu_step`` runs
-TINY = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128, query_len=8, passage_len=16)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,7 +102,7 @@ def run_child(args: argparse.Namespace, variant: str, batches: list[int], timeou
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
     try:
         out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=common.ROOT
         )
         stdout, code = out.stdout, out.returncode
         err = out.stderr.strip().splitlines()[-1:] if out.returncode else []
@@ -147,7 +145,7 @@ def compile_only(args: argparse.Namespace, cfg: bert.BertConfig) -> list:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = TINY if args.tiny else bert.BertConfig()
+    cfg = bert.TINY if args.tiny else bert.BertConfig()
     if args.worker:
         return worker(args, cfg)
     print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
@@ -172,7 +170,7 @@ def main(argv=None) -> None:
         print(f"gc_jax at growing batches (chunk {args.grow_chunk}), {args.steps} timed steps:")
         results["grow"] = run_child(args, "gc_jax (grow)", args.grow, timeout=args.budget_s + 300)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        common.write_json(args.json, results)
 
 
 if __name__ == "__main__":

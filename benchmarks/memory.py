@@ -28,7 +28,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -58,10 +57,7 @@ STYLES = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--depth", type=int, default=12, help="hidden layers of the MLP")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--dim-in", type=int, default=512)
-    p.add_argument("--dim-out", type=int, default=128)
+    common.add_model_args(p, depth=12)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--block-size", type=int, default=512, help="tile of the blockwise loss")
     p.add_argument(
@@ -130,7 +126,7 @@ def plot(path: Path, table: dict[str, dict[int, int]], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = common.ModelConfig(args.depth, args.width, args.dim_in, args.dim_out)
+    cfg = common.model_config(args)
     print(f"machine: {common.machine()}")
     print(f"model: {cfg.describe()}")
     print(f"chunk {args.chunk}, block_size {args.block_size}; temp_size_in_bytes in MiB:")
@@ -145,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         plot(args.plot, table, title)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": cfg.describe(), "temp_bytes": table}, indent=1))
+        common.write_json(args.json, {"model": cfg.describe(), "temp_bytes": table})
         print(f"wrote {args.json}")
 
 

@@ -66,9 +66,8 @@ import numpy as np
 import optax
 
 import gc_jax
+from benchmarks import common
 from benchmarks.example_modules import dual_encoder, retrieval_data
-
-HERE = Path(__file__).resolve().parent
 
 Params = dict[str, Any]
 Batch = dict[str, np.ndarray]
@@ -82,8 +81,8 @@ LABELS = {
     "full": "(d) full batch",
 }
 MODEL = "tiny"
-RESULTS = HERE / "results"
-PLOTS = HERE / "plots"
+RESULTS = common.RESULTS
+PLOTS = common.PLOTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -448,9 +447,7 @@ def plot(runs: dict[str, Run], before: dict[str, float], args, epoch: int, path:
         f"Docstring->code dual encoder ({MODEL}), {args.steps * args.big} examples, "
         f"small batch {args.small}, big batch {args.big}"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -585,7 +582,7 @@ def main(argv=None) -> dict[str, Any]:
         info["agreement_text"] += f" Whole script: {elapsed:.0f} s."
         save(runs, before, agree, args, info, table, command)
         plot(runs, before, args, epoch_examples, PLOTS / "paper_loss_curves.png")
-        print(f"wrote {RESULTS}/paper_experiment.{{json,csv,md}} and {PLOTS}/paper_loss_curves.png")
+        print(f"wrote {RESULTS}/paper_experiment.{{json,csv,md}}")
     return {"runs": runs, "agreement": agree, "table": table}
 
 

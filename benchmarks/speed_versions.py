@@ -1,13 +1,13 @@
 """The headline gc/full step-time ratio of ``speed.py`` for several gc_jax commits, interleaved.
 
 Each commit's ``gc_jax`` is taken with ``git archive`` into a temporary folder; every
-round runs one worker process per commit (alternating the order; the worker finds that
-commit's ``gc_jax`` first on its ``PYTHONPATH``, and this checkout's ``benchmarks``
-after it), and each worker
-times the full-batch and gc steps of ``speed.py``'s headline model (6-layer MLP,
-B = 2048, chunk 256) in paired, alternating repetitions after two warm-ups. Reported
-per commit: the median and range of the paired gc/full ratios, wall and process CPU
-time. Used for issue 18's speed regression.
+round runs one worker process per commit (alternating the order), whose
+``PYTHONPATH`` puts that commit's ``gc_jax`` before this checkout's ``benchmarks``.
+Each worker times the full-batch and gc steps of ``speed.py``'s headline model
+(6-layer MLP, B = 2048, chunk 256) in paired, alternating repetitions after two
+warm-ups (``common.interleaved_times``). Reported per commit: the median and range of
+the paired gc/full ratios, wall and process CPU time. Used for issue 18's speed
+regression.
 
 Usage::
 
@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,17 +40,8 @@ def worker(src: str, reps: int) -> None:
     steps = {k: jax.jit(v) for k, v in common.make_steps(256, None, ["full", "gc"]).items()}
     params = common.init_params(cfg, jax.random.key(0))
     q, d = common.make_batch(cfg, 2048, jax.random.key(1))
-    for _ in range(2):
-        for s in steps.values():
-            jax.block_until_ready(s(params, q, d))
-    out = {k: {"wall": [], "cpu": []} for k in steps}
-    for r in range(reps):
-        for k in list(steps) if r % 2 == 0 else list(steps)[::-1]:
-            w, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(steps[k](params, q, d))
-            out[k]["wall"].append(time.perf_counter() - w)
-            out[k]["cpu"].append(time.process_time() - c)
-    print(json.dumps(out))
+    t = common.interleaved_times(steps, (params, q, d), reps, warmup=2)
+    print(json.dumps({k: {"wall": t.wall[k], "cpu": t.cpu[k]} for k in steps}))
 
 
 def worker_command(src: Path, reps: int) -> list[str]:

@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import extreme_batch, gpu_step, tpu_compile
+from benchmarks import common, gpu_step, tpu_compile
 
 
 def test_gpu_step_worker_trains_the_tiny_model(capsys):
@@ -37,8 +37,8 @@ def test_tpu_compile_search_brackets_the_largest_fit():
 def test_out_of_memory_messages_are_read_in_any_unit():
     message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
                "HLO temporaries ({}) exceeds available HBM ({}).")  # fmt: skip
-    assert extreme_batch.out_of_memory(RuntimeError(message.format("1.37T", "95.74G"))) == (
+    assert common.out_of_memory(RuntimeError(message.format("1.37T", "95.74G"))) == (
         1.37 * 2**40, 95.74 * 2**30)  # fmt: skip
-    assert extreme_batch.out_of_memory(RuntimeError(message.format("512.5M", "15.75G")))[0] == (
+    assert common.out_of_memory(RuntimeError(message.format("512.5M", "15.75G")))[0] == (
         512.5 * 2**20)  # fmt: skip
-    assert extreme_batch.out_of_memory(RuntimeError("INTERNAL: something else")) is None
+    assert common.out_of_memory(RuntimeError("INTERNAL: something else")) is None
