@@ -51,6 +51,10 @@ class BertConfig:
         )
 
 
+# A 2-layer model of the same shape, for quick runs and tests on a CPU.
+TINY = BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128, query_len=8, passage_len=16)
+
+
 def _dense(key, n_in, n_out):
     return {"w": jax.random.normal(key, (n_in, n_out)) * 0.02, "b": jnp.zeros((n_out,))}
 

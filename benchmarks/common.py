@@ -1,4 +1,11 @@
-"""Shared pieces of the benchmarks: the MLP encoder, the training steps compared, timing.
+"""The benchmarks' shared helpers: the one place for code that more than one script uses.
+
+* the MLP encoder and the training steps compared (below);
+* timing: interleaved rounds, paired ratios; the machine and its load;
+* files: where results and plots go, JSON and figures, recorded commands;
+* the command line of the MLP benchmarks;
+* compiling for a TPU chip, compile only: devices, placement, out-of-memory messages,
+  the bytes the buffer assignment allocates.
 
 Every step has the signature ``step(params, queries, documents) -> (loss, grads)``
 and computes the gradient of the same InfoNCE loss
@@ -20,11 +27,17 @@ and computes the gradient of the same InfoNCE loss
 
 from __future__ import annotations
 
+import argparse
+import glob
 import inspect
+import json
+import math
 import os
 import platform
+import re
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -237,6 +250,12 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
+def ratio_range(num: Sequence[float], den: Sequence[float]) -> tuple[float, float, float]:
+    """Median, min and max over rounds of ``num[r] / den[r]``."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return median(ratios), min(ratios), max(ratios)
+
+
 def temp_bytes(step: Step, params: Params, batch: int, dim_in: int, dtype: Any) -> int:
     """XLA's compiled temp buffer size of the jitted step (compiled, never run)."""
     x = jax.ShapeDtypeStruct((batch, dim_in), dtype)
@@ -268,9 +287,128 @@ def load() -> str:
     return f"load average {one:.1f} {five:.1f} {fifteen:.1f}"
 
 
-def save_figure(fig: Any, path: Path) -> None:
+# --- files ------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: run ``python -m benchmarks.x`` here
+RESULTS = ROOT / "benchmarks" / "results"
+PLOTS = ROOT / "benchmarks" / "plots"
+
+
+def save_figure(fig: Any, path: Path, dpi: float | None = None) -> None:
     """Writes a matplotlib figure to ``path`` (creating its folder) and says so."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, dpi=dpi)
     print(f"wrote {path}")
+
+
+def write_json(path: Path, data: Any, **dumps: Any) -> None:
+    """Writes ``data`` as indented JSON to ``path`` (creating its folder), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, **dumps))
+    tmp.replace(path)
+
+
+def shown(path: Path) -> str:
+    """``path`` as recorded in results: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def command(module: str, argv: Sequence[str]) -> str:
+    """The command that ran ``benchmarks.<module>`` with ``argv``, as results record it."""
+    return " ".join(["python -m", f"benchmarks.{module}", *argv])
+
+
+# --- the command line of the MLP benchmarks ------------------------------------------------
+
+QUICK = "--quick: tiny model, millisecond steps; a sanity run, its ratios mean nothing"
+
+
+def add_model_args(parser: argparse.ArgumentParser, depth: int) -> None:
+    """``--depth``, ``--width``, ``--dim-in`` and ``--dim-out`` of the MLP encoder."""
+    parser.add_argument("--depth", type=int, default=depth, help="hidden layers of the MLP")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--dim-in", type=int, default=512)
+    parser.add_argument("--dim-out", type=int, default=128)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The ``ModelConfig`` of ``add_model_args``' arguments."""
+    return ModelConfig(args.depth, args.width, args.dim_in, args.dim_out)
+
+
+# --- compiling for a TPU chip (compile only: libtpu, no TPU needed) ---------------------------
+
+
+def tpu_devices(
+    topology: str, config: str = "default", host_bounds: tuple[int, int, int] = (1, 1, 1)
+) -> list[jax.Device]:
+    """The compile-only devices of a TPU ``topology`` (e.g. ``"v5e:1x1"``): the real
+    TPU compiler, nothing runs. Several processes may load libtpu for this at once."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compile-only users
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=topology, chip_config_name=config,
+        chips_per_host_bounds=host_bounds, num_slices=1, wrap=(False, False, False),
+    )  # fmt: skip
+    return topo.devices
+
+
+def on_device(device: jax.Device | None, tree: Any) -> Any:
+    """``ShapeDtypeStruct``s of ``tree`` placed on ``device`` (None: left unplaced)."""
+    if device is None:
+        return tree
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of every array (or ``ShapeDtypeStruct``) in ``tree``."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def total_bytes(m: Any) -> int:
+    """Arguments + temporaries + outputs - aliased, of a ``memory_analysis()``."""
+    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+    return total - m.alias_size_in_bytes
+
+
+_OOM = re.compile(
+    r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
+)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def out_of_memory(err: Exception) -> tuple[float, float] | None:
+    """``(temporaries, HBM)`` in bytes from the TPU compiler's out-of-memory error, or None."""
+    found = _OOM.search(str(err))
+    if "RESOURCE_EXHAUSTED" not in str(err) or not found:
+        return None
+    return tuple(float(found[i]) * _UNITS[found[i + 1]] for i in (1, 3))
+
+
+def allocated_temp(dump: str) -> int | None:
+    """The buffer assignment's preallocated temp in device memory (XLA dump), or None.
+
+    On the TPU compiler ``memory_analysis().temp_size_in_bytes`` can exceed what the
+    buffer assignment allocates by whole batch-sized buffers, and the compiler's own
+    out-of-memory check follows the buffer assignment (see BENCHMARKS.md).
+    """
+    for path in glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt")):
+        with open(path) as f:
+            sizes = re.findall(r"^allocation \d+: size (\d+), preallocated-temp", f.read(), re.M)
+        return sum(map(int, sizes))
+    return None
+
+
+def compile_with_allocation(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, int | None]:
+    """Compiles ``lowered`` with an XLA dump; the compiled step and its ``allocated_temp``.
+
+    A step that does not fit raises the compiler's error (see ``out_of_memory``).
+    """
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = lowered.compile({"xla_dump_to": dump})
+        return compiled, allocated_temp(dump)

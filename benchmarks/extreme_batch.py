@@ -21,28 +21,21 @@ that does not fit fails to compile (recorded as such, with the compiler's figure
 
 Usage::
 
-    python benchmarks/extreme_batch.py                 # gc_jax 2^12..2^20, baselines to 2^16
-    python benchmarks/extreme_batch.py --quick         # a tiny model, seconds
-    python benchmarks/extreme_batch.py --platform tpu --log2-batches 20 21 --baseline-max-log2 0
+    python -m benchmarks.extreme_batch                 # gc_jax 2^12..2^20, baselines to 2^16
+    python -m benchmarks.extreme_batch --quick         # a tiny model, seconds
+    python -m benchmarks.extreme_batch --platform tpu --log2-batches 20 21 --baseline-max-log2 0
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
-import re
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bert
+from benchmarks import bert, common
 
 GIB, KIB = 2**30, 2**10
 LIMIT = 16 * GIB  # one TPU v5e chip's HBM
@@ -85,77 +78,36 @@ def floor_per_row(cfg: bert.BertConfig, rows_of_reps: int = 4) -> int:
 
 def v5e_chip() -> jax.Device:
     """One TPU v5e chip, compile only: the real TPU compiler, no TPU needed."""
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compile-only users
-    from jax.experimental import topologies
-
-    topo = topologies.get_topology_desc(
-        platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
-        chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False),
-    )  # fmt: skip
-    return topo.devices[0]
-
-
-def on(device: jax.Device | None, tree):
-    """``ShapeDtypeStruct``s placed on ``device`` (None: the default device)."""
-    if device is None:
-        return tree
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
-_OOM = re.compile(
-    r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
-)
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def out_of_memory(err: Exception) -> tuple[float, float] | None:
-    """``(temporaries, HBM)`` in bytes from the TPU compiler's out-of-memory error, or None."""
-    found = _OOM.search(str(err))
-    if "RESOURCE_EXHAUSTED" not in str(err) or not found:
-        return None
-    return tuple(float(found[i]) * _UNITS[found[i + 1]] for i in (1, 3))
+    (device,) = common.tpu_devices("v5e:1x1")
+    return device
 
 
 def _does_not_fit(err: Exception, start: float) -> dict:
     """The TPU compiler's out-of-memory error, as a row: its temporaries' figure."""
-    if (found := out_of_memory(err)) is None:
+    if (found := common.out_of_memory(err)) is None:
         raise err
     return {"arguments": 0, "temp": int(found[0]), "outputs": 0, "aliased": 0,
             "total": None, "compile_s": time.perf_counter() - start, "oom": True}  # fmt: skip
 
 
-def _allocated_temp(dump: str) -> int | None:
-    """The buffer assignment's preallocated temp in device memory (XLA dump), or None.
-
-    On the TPU compiler ``memory_analysis().temp_size_in_bytes`` can exceed what the
-    buffer assignment allocates by whole batch-sized buffers, and the compiler's own
-    out-of-memory check follows the buffer assignment (see BENCHMARKS.md).
-    """
-    for path in glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt")):
-        with open(path) as f:
-            sizes = re.findall(r"^allocation \d+: size (\d+), preallocated-temp", f.read(), re.M)
-        return sum(map(int, sizes))
-    return None
-
-
 def analyse(step, params, queries, passages, dump: bool = False) -> dict:
+    """Compiled memory of ``step``; with ``dump``, also what the buffer assignment allocates."""
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        options = {"xla_dump_to": tmp} if dump else None
-        try:
-            compiled = jax.jit(step).lower(params, queries, passages).compile(options)
-        except jax.errors.JaxRuntimeError as err:
-            return _does_not_fit(err, start)
-        allocated = _allocated_temp(tmp) if dump else None
+    lowered = jax.jit(step).lower(params, queries, passages)
+    try:
+        compiled, allocated = (
+            common.compile_with_allocation(lowered) if dump else (lowered.compile(), None)
+        )
+    except jax.errors.JaxRuntimeError as err:
+        return _does_not_fit(err, start)
     m = compiled.memory_analysis()
     sizes = {
         "arguments": m.argument_size_in_bytes,
         "temp": m.temp_size_in_bytes,
         "outputs": m.output_size_in_bytes,
         "aliased": m.alias_size_in_bytes,
+        "total": common.total_bytes(m),
     }
-    sizes["total"] = sizes["arguments"] + sizes["temp"] + sizes["outputs"] - sizes["aliased"]
     if allocated is not None:  # what the chip would hold: the allocated temp instead
         sizes["allocated_total"] = sizes["total"] - sizes["temp"] + allocated
     sizes["compile_s"] = time.perf_counter() - start
@@ -169,24 +121,23 @@ def fixed_overhead_bound(cfg: bert.BertConfig, chunk: int, device=None) -> tuple
     the size of all the step's parameters (the accumulator and one chunk's
     gradient), +10 %.
     """
-    params = on(device, bert.abstract_params(cfg))
+    params = common.on_device(device, bert.abstract_params(cfg))
     tower = bert.passage_tower(cfg)  # passages are the longer input
-    batch = on(device, bert.abstract_batch(cfg, chunk, cfg.passage_len))
-    ct = on(device, jax.ShapeDtypeStruct((chunk, cfg.width), cfg.compute_dtype))
+    batch = common.on_device(device, bert.abstract_batch(cfg, chunk, cfg.passage_len))
+    ct = common.on_device(device, jax.ShapeDtypeStruct((chunk, cfg.width), cfg.compute_dtype))
     vjp = lambda p, x, ct: jax.vjp(lambda p: tower(p, x, None), p)[1](ct)
     one = jax.jit(vjp).lower(params, batch, ct).compile().memory_analysis().temp_size_in_bytes
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    return one, int(1.1 * (one + 2 * param_bytes))
+    return one, int(1.1 * (one + 2 * common.nbytes(params)))
 
 
 def run(cfg: bert.BertConfig, args: argparse.Namespace, device=None, limit=LIMIT) -> dict:
-    params = on(device, bert.abstract_params(cfg))
+    params = common.on_device(device, bert.abstract_params(cfg))
     variants = bert.steps(cfg, args.chunk, args.block)
     results: dict = {name: {} for name in variants}
     for log2 in args.log2_batches:
         rows = 2**log2
-        q = on(device, bert.abstract_batch(cfg, rows, cfg.query_len))
-        p = on(device, bert.abstract_batch(cfg, rows, cfg.passage_len))
+        q = common.on_device(device, bert.abstract_batch(cfg, rows, cfg.query_len))
+        p = common.on_device(device, bert.abstract_batch(cfg, rows, cfg.passage_len))
         for name, step in variants.items():
             if name != "gc_jax" and log2 > args.baseline_max_log2:
                 continue
@@ -250,8 +201,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = bert.BertConfig(layers=args.layers)
     if args.quick:
-        cfg = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128,
-                              query_len=8, passage_len=16)  # fmt: skip
+        cfg = bert.TINY
         args.log2_batches, args.baseline_max_log2, args.chunk, args.block = [8, 10], 10, 16, 128
     device, limit = (v5e_chip(), TPU_LIMIT) if args.platform == "tpu" else (None, LIMIT)
     target = "one TPU v5e chip (TPU compiler)" if device else f"backend {jax.default_backend()}"
@@ -273,7 +223,7 @@ def main(argv=None) -> None:
     if args.json:
         table = {k: {str(r): v for r, v in s.items()} for k, s in results.items()}
         out = {"config": cfg.describe(), "platform": args.platform, "results": table}
-        args.json.write_text(json.dumps(out, indent=1))
+        common.write_json(args.json, out)
 
 
 if __name__ == "__main__":

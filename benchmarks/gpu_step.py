@@ -20,8 +20,8 @@ On a CPU use ``--tiny`` (a 2-layer model) to check that the script works.
 
 Usage::
 
-    python benchmarks/gpu_step.py --compare 512 --grow 16384 65536 262144
-    python benchmarks/gpu_step.py --tiny --compare 64 --grow 128 256   # CPU smoke test
+    python -m benchmarks.gpu_step --compare 512 --grow 16384 65536 262144
+    python -m benchmarks.gpu_step --tiny --compare 64 --grow 128 256   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bert
+from benchmarks import bert, common
 
 GIB = 2**30
-TINY = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128, query_len=8, passage_len=16)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,13 +94,16 @@ def worker(args: argparse.Namespace, cfg: bert.BertConfig) -> None:
 
 
 def run_child(args: argparse.Namespace, variant: str, batches: list[int], timeout: float) -> list:
-    cmd = [sys.executable, __file__, "--worker", variant, "--batches", *map(str, batches),
-           "--chunk", str(args.chunk), "--grow-chunk", str(args.grow_chunk),
-           "--block", str(args.block), "--steps", str(args.steps),
-           "--budget-s", str(args.budget_s)] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks.gpu_step", "--worker", variant,
+           "--batches", *map(str, batches), "--chunk", str(args.chunk),
+           "--grow-chunk", str(args.grow_chunk), "--block", str(args.block),
+           "--steps", str(args.steps), "--budget-s", str(args.budget_s),
+           *(["--tiny"] if args.tiny else [])]  # fmt: skip
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=common.ROOT
+        )
         stdout, code = out.stdout, out.returncode
         err = out.stderr.strip().splitlines()[-1:] if out.returncode else []
     except subprocess.TimeoutExpired as e:
@@ -144,7 +145,7 @@ def compile_only(args: argparse.Namespace, cfg: bert.BertConfig) -> list:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = TINY if args.tiny else bert.BertConfig()
+    cfg = bert.TINY if args.tiny else bert.BertConfig()
     if args.worker:
         return worker(args, cfg)
     print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
@@ -169,7 +170,7 @@ def main(argv=None) -> None:
         print(f"gc_jax at growing batches (chunk {args.grow_chunk}), {args.steps} timed steps:")
         results["grow"] = run_child(args, "gc_jax (grow)", args.grow, timeout=args.budget_s + 300)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        common.write_json(args.json, results)
 
 
 if __name__ == "__main__":

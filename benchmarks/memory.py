@@ -21,22 +21,19 @@ takes no ``block_size``.
 
 Usage::
 
-    python benchmarks/memory.py --plot benchmarks/plots/memory_vs_batch.png
-    python benchmarks/memory.py --quick
+    python -m benchmarks.memory --plot benchmarks/plots/memory_vs_batch.png
+    python -m benchmarks.memory --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+from benchmarks import common
 
 MIB = 2**20
 VARIANTS = ["full", "remat", "remat_layers", "gc", "remat_layers_block", "gc_block"]
@@ -60,10 +57,7 @@ STYLES = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--depth", type=int, default=12, help="hidden layers of the MLP")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--dim-in", type=int, default=512)
-    p.add_argument("--dim-out", type=int, default=128)
+    common.add_model_args(p, depth=12)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--block-size", type=int, default=512, help="tile of the blockwise loss")
     p.add_argument(
@@ -132,7 +126,7 @@ def plot(path: Path, table: dict[str, dict[int, int]], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = common.ModelConfig(args.depth, args.width, args.dim_in, args.dim_out)
+    cfg = common.model_config(args)
     print(f"machine: {common.machine()}")
     print(f"model: {cfg.describe()}")
     print(f"chunk {args.chunk}, block_size {args.block_size}; temp_size_in_bytes in MiB:")
@@ -147,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         plot(args.plot, table, title)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": cfg.describe(), "temp_bytes": table}, indent=1))
+        common.write_json(args.json, {"model": cfg.describe(), "temp_bytes": table})
         print(f"wrote {args.json}")
 
 

@@ -11,24 +11,20 @@ Compiled only, nothing is executed.
 
 Usage::
 
-    python benchmarks/memory_floor.py
-    python benchmarks/memory_floor.py --quick
+    python -m benchmarks.memory_floor
+    python -m benchmarks.memory_floor --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
 import gc_jax
+from benchmarks import common
 
 MIB = 2**20
 

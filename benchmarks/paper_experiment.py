@@ -35,13 +35,14 @@ Outputs: ``benchmarks/results/paper_experiment.{json,csv,md}`` (the CSV holds th
 per-update training losses of every setting) and
 ``benchmarks/plots/paper_loss_curves.png``.
 
-The example's modules are imported from ``examples/`` (added to ``sys.path`` below),
-not copied: the model, tokenizer, data split and evaluation are the example's own.
+The example's modules are imported from ``examples/`` (``benchmarks.example_modules``:
+``examples`` on ``PYTHONPATH``), not copied: the model, tokenizer, data split and
+evaluation are the example's own.
 
-Usage::
+Usage (from the repository root)::
 
-    python benchmarks/paper_experiment.py            # about 10 minutes on 2 CPU cores
-    python benchmarks/paper_experiment.py --quick    # a sanity run, 1-2 minutes, writes nothing
+    PYTHONPATH=examples python -m benchmarks.paper_experiment          # ~10 min, 2 CPU cores
+    PYTHONPATH=examples python -m benchmarks.paper_experiment --quick  # 1-2 min, writes nothing
 """
 
 from __future__ import annotations
@@ -64,14 +65,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "examples"))  # the example's modules, imported by name
-
-import dual_encoder  # noqa: E402
-import retrieval_data  # noqa: E402
-
-import gc_jax  # noqa: E402
+import gc_jax
+from benchmarks import common
+from benchmarks.example_modules import dual_encoder, retrieval_data
 
 Params = dict[str, Any]
 Batch = dict[str, np.ndarray]
@@ -85,8 +81,8 @@ LABELS = {
     "full": "(d) full batch",
 }
 MODEL = "tiny"
-RESULTS = HERE / "results"
-PLOTS = HERE / "plots"
+RESULTS = common.RESULTS
+PLOTS = common.PLOTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -451,9 +447,7 @@ def plot(runs: dict[str, Run], before: dict[str, float], args, epoch: int, path:
         f"Docstring->code dual encoder ({MODEL}), {args.steps * args.big} examples, "
         f"small batch {args.small}, big batch {args.big}"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -500,7 +494,7 @@ def save(runs, before, agree, args, info, table, command) -> None:
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    command = "python benchmarks/paper_experiment.py" + "".join(
+    command = "PYTHONPATH=examples python -m benchmarks.paper_experiment" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv)
     )
     started = time.perf_counter()
@@ -588,7 +582,7 @@ def main(argv=None) -> dict[str, Any]:
         info["agreement_text"] += f" Whole script: {elapsed:.0f} s."
         save(runs, before, agree, args, info, table, command)
         plot(runs, before, args, epoch_examples, PLOTS / "paper_loss_curves.png")
-        print(f"wrote {RESULTS}/paper_experiment.{{json,csv,md}} and {PLOTS}/paper_loss_curves.png")
+        print(f"wrote {RESULTS}/paper_experiment.{{json,csv,md}}")
     return {"runs": runs, "agreement": agree, "table": table}
 
 

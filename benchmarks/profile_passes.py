@@ -19,30 +19,24 @@ vjp_chunked`` (the core keeps the last chunk's forward from pass 1) and
 
 Usage::
 
-    python benchmarks/profile_passes.py
-    python benchmarks/profile_passes.py --quick
+    python -m benchmarks.profile_passes
+    python -m benchmarks.profile_passes --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+from benchmarks import common
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--dim-in", type=int, default=512)
-    p.add_argument("--dim-out", type=int, default=128)
+    common.add_model_args(p, depth=6)
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--reps", type=int, default=9)
@@ -89,10 +83,10 @@ def full_vjp(params: Any, x: jax.Array, rep_grad: jax.Array) -> Any:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.quick:
-        print("--quick: tiny model, millisecond steps; a sanity run, its ratios mean nothing")
+        print(common.QUICK)
     if args.batch % args.chunk:
         raise SystemExit("--batch must be a multiple of --chunk here")
-    cfg = common.ModelConfig(args.depth, args.width, args.dim_in, args.dim_out)
+    cfg = common.model_config(args)
     params = common.init_params(cfg, jax.random.key(0))
     q, d = common.make_batch(cfg, args.batch, jax.random.key(1))
     loss = common.loss_fn()

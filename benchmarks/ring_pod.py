@@ -1,7 +1,7 @@
 """Per-chip memory and collectives of the loss step on TPU v5e slices: gather vs ring.
 
-Compile only (libtpu's compile-only TPU devices; nothing runs, see
-``/work/shared/reference/tpu-compile-only.md``). The step is the loss part of a
+Compile only (libtpu's compile-only TPU devices, ``jax.experimental.topologies``;
+nothing runs, no TPU needed). The step is the loss part of a
 gradient-cache step: the representations are its inputs (``[B, 768]`` bfloat16,
 sharded over every chip of the slice under ``jit`` with explicit mesh axes), and it
 returns the loss and its gradients with respect to both representations and the
@@ -18,8 +18,8 @@ largest all-gather in bytes (a batch-sized all-gather is the gather form's cost)
 
 Usage::
 
-    python benchmarks/ring_pod.py                   # the full table, JSON and plot
-    python benchmarks/ring_pod.py --chips 16 --losses contrastive   # one point
+    python -m benchmarks.ring_pod                   # the full table, JSON and plot
+    python -m benchmarks.ring_pod --chips 16 --losses contrastive   # one point
 """
 
 from __future__ import annotations
@@ -36,16 +36,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
+from benchmarks import common
 
 GIB = 2**30
 HBM = 15.75 * GIB  # what a v5e chip offers a program
 TOPOLOGIES = {16: "v5e:4x4", 64: "v5e:8x8", 256: "v5e:16x16"}
-HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=2**20)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--block", type=int, default=4096)
-    p.add_argument("--json", type=Path, default=HERE / "results" / "ring_pod.json")
-    p.add_argument("--plot", type=Path, default=HERE / "plots" / "ring_pod.png")
+    p.add_argument("--json", type=Path, default=common.RESULTS / "ring_pod.json")
+    p.add_argument("--plot", type=Path, default=common.PLOTS / "ring_pod.png")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     p.add_argument(
         "--update",
@@ -69,15 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def mesh_of(chips: int) -> Mesh:
-    topo = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name=TOPOLOGIES[chips],
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-        wrap=(False, False, False),
-    )
-    return Mesh(np.array(topo.devices), ("data",), axis_types=(AxisType.Explicit,))
+    devices = common.tpu_devices(TOPOLOGIES[chips], host_bounds=(2, 2, 1))
+    return Mesh(np.array(devices), ("data",), axis_types=(AxisType.Explicit,))
 
 
 def step_of(loss: str, method: str, block: int):
@@ -128,11 +120,9 @@ def compile_point(loss: str, method: str, chips: int, batch: int, dim: int, bloc
     try:
         compiled = jax.jit(step).lower(x, x, *s).compile()
     except Exception as e:  # the compiler refuses a program that does not fit
-        found = re.search(r"HLO temporaries \(([0-9.]+)([GMK])\)", str(e))
-        if not found:
+        if (found := common.out_of_memory(e)) is None:
             raise
-        unit = {"G": GIB, "M": 2**20, "K": 2**10}[found.group(2)]
-        out.update(fits=False, temp_bytes=float(found.group(1)) * unit)
+        out.update(fits=False, temp_bytes=found[0])
     else:
         m = compiled.memory_analysis()
         out.update(fits=True, temp_bytes=m.temp_size_in_bytes,
@@ -170,9 +160,7 @@ def plot(results: list[dict], args, path: Path) -> None:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes[0].set_ylabel("per-chip temp memory (GiB), TPU compiler")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    common.save_figure(fig, path, dpi=120)
 
 
 def main(argv=None) -> None:
@@ -187,7 +175,7 @@ def main(argv=None) -> None:
                 for method in args.methods:
                     points.append((loss, method, chips, batch))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=HERE).stdout.strip()  # fmt: skip
+                            text=True, cwd=common.ROOT).stdout.strip()  # fmt: skip
     results = []
     for loss, method, chips, batch in points:
         r = compile_point(loss, method, chips, batch, args.dim, args.block)
@@ -201,8 +189,7 @@ def main(argv=None) -> None:
             f"({r['compile_s']} s)",
             flush=True,
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/ring_pod.py " + " ".join(sys.argv[1:])
+    command = common.command("ring_pod", sys.argv[1:])
     meta = {"commands": [command], "jax": jax.__version__, "dim": args.dim,
             "block_size": args.block}  # fmt: skip
     if args.update:
@@ -211,9 +198,9 @@ def main(argv=None) -> None:
         new = {key(r) for r in results}
         results = [r for r in old["results"] if key(r) not in new] + results
         meta["commands"] = [*old["meta"]["commands"], command]
-    args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    common.write_json(args.json, {"meta": meta, "results": results})
+    print(f"wrote {args.json}")
     plot(results, args, args.plot)
-    print(f"wrote {args.json} and {args.plot}")
 
 
 if __name__ == "__main__":

@@ -8,18 +8,16 @@ float32 rows; under sharded ``jit`` (explicit mesh axes: the gather form replica
 the rows and every device computes the whole loss) and inside ``shard_map`` with
 ``axis_name`` (the gather form all-gathers the other side and computes its own rows).
 
-Usage::
+Usage (from the repository root)::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
-        python benchmarks/ring_speed.py            # 8 x 256 rows, d = 64, 11 rounds
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m benchmarks.ring_speed            # 8 x 256 rows, d = 64, 11 rounds
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,12 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
 import gc_jax
-
-HERE = Path(__file__).resolve().parent
+from benchmarks import common
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--losses", nargs="+", default=["contrastive", "clip", "sigmoid"])
-    p.add_argument("--json", type=Path, default=HERE / "results" / "ring_speed.json")
+    p.add_argument("--json", type=Path, default=common.RESULTS / "ring_speed.json")
     return p.parse_args(argv)
 
 
@@ -88,23 +82,21 @@ def main(argv=None) -> None:
     times = common.interleaved_times(
         {k: (lambda f=f: f()) for k, f in fns.items()}, (), args.rounds
     )
-    out = {"meta": {"command": "python benchmarks/ring_speed.py " + " ".join(sys.argv[1:]),
-                    "devices": devices, "machine": common.machine(), **vars(args)},
+    out = {"meta": {"command": common.command("ring_speed", sys.argv[1:]), "devices": devices,
+                    "machine": common.machine(), **vars(args), "json": common.shown(args.json)},
            "losses": {}}  # fmt: skip
     for name in [f"{layout}/{loss}" for layout in layouts for loss in args.losses]:
         ring, gather = times.wall[f"{name}/ring"], times.wall[f"{name}/gather"]
-        ratios = [a / b for a, b in zip(ring, gather, strict=True)]
-        row = {"ring_s": statistics.median(ring), "gather_s": statistics.median(gather),
-               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-               "ratio_max": max(ratios)}  # fmt: skip
+        ratio = common.ratio_range(ring, gather)
+        row = {"ring_s": common.median(ring), "gather_s": common.median(gather),
+               "ratio_median": ratio[0], "ratio_min": ratio[1], "ratio_max": ratio[2]}  # fmt: skip
         out["losses"][name] = row
         print(
             f"{name:22s} gather {row['gather_s'] * 1e3:8.1f} ms  ring {row['ring_s'] * 1e3:8.1f} "
             f"ms  ring/gather median {row['ratio_median']:.2f} "
             f"(range {row['ratio_min']:.2f}-{row['ratio_max']:.2f}, {args.rounds} rounds)"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1, default=str))
+    common.write_json(args.json, out, default=str)
     print(f"wrote {args.json}")
 
 

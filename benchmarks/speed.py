@@ -17,24 +17,21 @@ caching, same chunk size (``--batches``); ``--plot`` writes it as a PNG.
 
 Usage::
 
-    python benchmarks/speed.py                     # headline + batch sweep
-    python benchmarks/speed.py --plot benchmarks/plots/time_per_example.png
-    python benchmarks/speed.py --quick             # small sanity run, a few seconds
+    python -m benchmarks.speed                     # headline + batch sweep
+    python -m benchmarks.speed --plot benchmarks/plots/time_per_example.png
+    python -m benchmarks.speed --quick             # small sanity run, a few seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+from benchmarks import common
 
 LABELS = {
     "full": "full batch (jax.value_and_grad)",
@@ -49,10 +46,7 @@ SWEEP = ["full", "remat", "remat_layers", "gc"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--depth", type=int, default=6, help="hidden layers of the MLP")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--dim-in", type=int, default=512)
-    p.add_argument("--dim-out", type=int, default=128)
+    common.add_model_args(p, depth=6)
     p.add_argument("--batch", type=int, default=2048, help="batch of the headline ratio")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--block-size", type=int, default=512, help="tile of the blockwise loss")
@@ -88,12 +82,6 @@ def check_equal(steps: dict[str, Any], args: tuple[Any, ...]) -> dict[str, float
         diffs = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(ref, leaves, strict=True)]
         out[name] = max(diffs)
     return out
-
-
-def ratio_range(num: list[float], den: list[float]) -> tuple[float, float, float]:
-    """Median, min and max over rounds of ``num[r] / den[r]``."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    return common.median(ratios), min(ratios), max(ratios)
 
 
 def headline(args: argparse.Namespace, cfg: common.ModelConfig) -> dict[str, Any]:
@@ -135,8 +123,8 @@ def headline(args: argparse.Namespace, cfg: common.ModelConfig) -> dict[str, Any
     for other in ("remat", "remat_layers"):
         ratio = common.paired_ratio(times["gc"], times[other])
         print(f"gc / {other} (median paired wall ratio): {ratio:.3f}")
-    ce_gc = ratio_range(times["chunked_encoder"], times["gc"])
-    ce_gc_cpu = ratio_range(cpu["chunked_encoder"], cpu["gc"])
+    ce_gc = common.ratio_range(times["chunked_encoder"], times["gc"])
+    ce_gc_cpu = common.ratio_range(cpu["chunked_encoder"], cpu["gc"])
     print(
         "chunked_encoder / gc (paired wall ratio over rounds): "
         f"median {ce_gc[0]:.3f}, range {ce_gc[1]:.3f}-{ce_gc[2]:.3f}; "
@@ -210,8 +198,8 @@ def plot(path: Path, results: dict[int, common.Timings], title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.quick:
-        print("--quick: tiny model, millisecond steps; a sanity run, its ratios mean nothing")
-    cfg = common.ModelConfig(args.depth, args.width, args.dim_in, args.dim_out)
+        print(common.QUICK)
+    cfg = common.model_config(args)
     print(f"machine: {common.machine()}")
     print(f"model: {cfg.describe()}; loss: InfoNCE, temperature {common.TEMPERATURE}")
     if not common.has_block_size():
@@ -230,8 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             plot(args.plot, swept, title)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        common.write_json(args.json, results)
         print(f"wrote {args.json}")
 
 

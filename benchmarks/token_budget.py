@@ -15,30 +15,25 @@ gradient step time (interleaved rounds over the same batches: median and range),
 compiled temp memory on this machine and on the TPU compiler (compile only, ``--tpu``;
 the step on one chip of that topology), and the number of compiled chunk shapes.
 
-Usage::
+Usage (from the repository root; ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` in front when another
+process holds libtpu)::
 
-    python benchmarks/token_budget.py                     # CPU timing + CPU memory
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/token_budget.py --tpu v5e:2x2  # + TPU memory
+    PYTHONPATH=examples python -m benchmarks.token_budget                # CPU time, memory
+    PYTHONPATH=examples python -m benchmarks.token_budget --tpu v5e:2x2  # + TPU memory
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import dual_encoder
-import retrieval_data
-
 import gc_jax
+from benchmarks.example_modules import dual_encoder, retrieval_data
 from gc_jax import _token_chunks
 
 

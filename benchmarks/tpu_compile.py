@@ -35,20 +35,17 @@ already holds (so chips and modes can be re-run one at a time).
 
 Usage (one command per chip; about 2-3 min per BERT-base compile on 2 cores)::
 
-    python benchmarks/tpu_compile.py --chips v5e
-    python benchmarks/tpu_compile.py --chips v6e v4 v5p --modes gc_bf16 gc_f32
-    python benchmarks/tpu_compile.py --quick --budget-gib 0.05   # a tiny model, seconds
-    python benchmarks/tpu_compile.py --chips v5p --modes gc_bf16 --start 16777216 25165824
+    python -m benchmarks.tpu_compile --chips v5e
+    python -m benchmarks.tpu_compile --chips v6e v4 v5p --modes gc_bf16 gc_f32
+    python -m benchmarks.tpu_compile --quick --budget-gib 0.05   # a tiny model, seconds
+    python -m benchmarks.tpu_compile --chips v5p --modes gc_bf16 --start 16777216 25165824
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -57,18 +54,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compile-only
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import topologies
-from jax.sharding import SingleDeviceSharding
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bert
-import extreme_batch
 
 import gc_jax
+from benchmarks import bert, common
 from gc_jax._chunk_size import device_memory
 
 GIB, KIB = 2**30, 2**10
-RESULTS = Path(__file__).resolve().parent / "results" / "tpu_compile.json"
+RESULTS = common.RESULTS / "tpu_compile.json"
 # One chip each: (topology, chip config). v4 and v5p run their two cores as one device.
 CHIPS = {
     "v5e": ("v5e:1x1", "default"),
@@ -127,36 +119,25 @@ def modes(cfg: bert.BertConfig, chunk: int, block: int) -> dict:
     }
 
 
-def nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def on(device, tree):
-    sharding = SingleDeviceSharding(device)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
 def compile_at(step, cfg, device, rows: int, budget: float | None) -> dict:
     """Compile ``step`` at ``rows`` for ``device``; sizes, compile time and whether it fits."""
-    params = on(device, bert.abstract_params(cfg))
-    q = on(device, bert.abstract_batch(cfg, rows, cfg.query_len))
-    p = on(device, bert.abstract_batch(cfg, rows, cfg.passage_len))
-    args, outs = nbytes((params, q, p)), 4 + nbytes(params)  # loss + float32 gradients
+    params = common.on_device(device, bert.abstract_params(cfg))
+    q = common.on_device(device, bert.abstract_batch(cfg, rows, cfg.query_len))
+    p = common.on_device(device, bert.abstract_batch(cfg, rows, cfg.passage_len))
+    args = common.nbytes((params, q, p))
+    outs = 4 + common.nbytes(params)  # loss + float32 gradients
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as dump:
-        try:
-            compiled = jax.jit(step).lower(params, q, p).compile({"xla_dump_to": dump})
-        except jax.errors.JaxRuntimeError as e:
-            if (found := extreme_batch.out_of_memory(e)) is None:
-                raise
-            temp, hbm = found
-            return {"fits": False, "compiled": False, "temp": temp, "total": args + temp + outs,
-                    "allocated_total": args + temp, "hbm": hbm,
-                    "compile_s": time.perf_counter() - start}  # fmt: skip
-        allocated = extreme_batch._allocated_temp(dump)
+    try:
+        compiled, allocated = common.compile_with_allocation(jax.jit(step).lower(params, q, p))
+    except jax.errors.JaxRuntimeError as e:
+        if (found := common.out_of_memory(e)) is None:
+            raise
+        temp, hbm = found
+        return {"fits": False, "compiled": False, "temp": temp, "total": args + temp + outs,
+                "allocated_total": args + temp, "hbm": hbm,
+                "compile_s": time.perf_counter() - start}  # fmt: skip
     m = compiled.memory_analysis()
-    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-    total -= m.alias_size_in_bytes
+    total = common.total_bytes(m)
     allocated_total = total - m.temp_size_in_bytes + allocated
     # The compiler refuses a program that does not fit its HBM (RESOURCE_EXHAUSTED); its
     # check follows the buffer assignment (allocated), not memory_analysis' temp, which
@@ -203,26 +184,14 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save(path: Path, table: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
-
-
-def topology_device(chip: str):
-    name, config = CHIPS[chip]
-    topo = topologies.get_topology_desc(
-        platform="tpu", topology_name=name, chip_config_name=config,
-        chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False),
-    )  # fmt: skip
-    (device,) = topo.devices
+def topology_device(chip: str) -> jax.Device:
+    (device,) = common.tpu_devices(*CHIPS[chip])
     return device
 
 
 def save_live(args, table: dict, entry: dict, mode: str, compiles: dict) -> None:
     entry["modes"][mode] = {"compiles": compiles, "complete": False}
-    save(args.json, table)
+    common.write_json(args.json, table)
 
 
 def measure(args, cfg, mode: str, step, device, limit: float, on_compile) -> dict:
@@ -257,7 +226,7 @@ def run(args: argparse.Namespace, cfg: bert.BertConfig) -> dict:
         for mode in args.modes:
             live = lambda r, m=mode, e=entry: save_live(args, table, e, m, r)
             entry["modes"][mode] = measure(args, cfg, mode, steps[mode], device, limit, live)
-            save(args.json, table)
+            common.write_json(args.json, table)
             print(f"  {chip} {mode}: largest fit {entry['modes'][mode]['largest_fit']}", flush=True)
     return table
 
@@ -289,8 +258,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = bert.BertConfig()
     if args.quick:
-        cfg = bert.BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128,
-                              query_len=8, passage_len=16)  # fmt: skip
+        cfg = bert.TINY
         args.chunk, args.block = 16, 128
     print(f"JAX {jax.__version__}; {cfg.describe()}; chunk {args.chunk}", flush=True)
     report(run(args, cfg))
