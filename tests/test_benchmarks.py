@@ -58,7 +58,7 @@ SHARED = {"__init__.py", "common.py", "bert.py", "example_modules.py"}  # not sc
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in SHARED)
 # Files that still give an old command (`python benchmarks/x.py`, `PYTHONPATH=.`), each with
 # who changes it; the test fails when one no longer does, so that it is removed here.
-OLD_COMMANDS_PENDING = {"README.md"}  # the lead's: its "Benchmarks" section
+OLD_COMMANDS_PENDING: set[str] = set()
 
 
 def slug(heading: str) -> str:

@@ -19,29 +19,27 @@ import importlib.util
 import json
 import math
 import re
-import sys
 import textwrap
 from pathlib import Path
 
+import dual_encoder  # examples/ (pytest's pythonpath)
 import jax
 import jax.numpy as jnp
+import minilm
 import numpy as np
 import pytest
+import retrieval_data
+import retrieval_eval
+import run_dir
+import search
 from flax import nnx
+from text_encoder import EncoderConfig, SentenceEncoder
 
 import gc_jax
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-sys.path.insert(0, str(EXAMPLES))
 
-import dual_encoder  # noqa: E402
-import minilm  # noqa: E402
-import retrieval_data  # noqa: E402
-import retrieval_eval  # noqa: E402
-import run_dir  # noqa: E402
-import search  # noqa: E402
-from text_encoder import EncoderConfig, SentenceEncoder  # noqa: E402
 
 # ---------------------------------------------------------------------------- data mining
 

@@ -46,12 +46,8 @@ MACHINE_PATH = re.compile(
 )
 
 # Files that still edit sys.path, each with who must change it and how; the test fails
-# when one no longer does, so that its entry is removed.
-KNOWN_SYS_PATH_EDITS = {
-    # Owned by the example's tests: imports examples/ by bare name. Fix: pytest's
-    # `pythonpath = ["examples"]` in pyproject.toml, then drop the sys.path line.
-    "tests/test_example.py",
-}
+# when one no longer does, so that its entry is removed. None today.
+KNOWN_SYS_PATH_EDITS: set[str] = set()
 
 
 @cache
