@@ -485,6 +485,42 @@ def replicated_loss(loss: jax.Array, axis_name: AxisName | None) -> jax.Array:
     return jax.lax.pmean(loss, varying) if varying else loss
 
 
+def typed_axes(axis_name: AxisName | None) -> AxisName | None:
+    """``axis_name`` if values inside it carry varying types (``shard_map`` with
+    ``check_vma=True``); None under ``pmap``, ``vmap``, ``check_vma=False`` or outside."""
+    if axis_name is None or not _is_bound(axis_name):
+        return None
+    return axis_name if varying_axes(jax.lax.axis_index(axis_name)) else None
+
+
+def check_split_alike(sides: dict[str, PyTree], axis_name: AxisName | None) -> None:
+    """Raises unless the loss's sides are split over the same ``shard_map`` axes.
+
+    Inside ``shard_map`` (with its default ``check_vma=True``) a value's type says
+    which manual axes it varies over. A loss pairs this device's rows of ``x`` with
+    the rows of ``y`` it holds (the core: input ``i``'s rows with the other inputs');
+    one side replicated while the other is split (e.g.
+    ``in_specs=(P(), P("data"), P())``) silently pairs the wrong rows: the replicated
+    documents would be read as hard negatives, or gathered ``P`` times over. Under
+    ``pmap`` or ``check_vma=False`` values carry no such type and this cannot be seen.
+    """
+    varying = {name: set(varying_axes_of(v)) for name, v in sides.items()}
+    wanted = set(_names(axis_name)) | set().union(*varying.values())
+    for name, axes in varying.items():
+        missing = sorted(wanted - axes, key=str)
+        if missing:
+            split = [n for n, a in varying.items() if set(missing) & a] or ["axis_name"]
+            spec = missing[0] if len(missing) == 1 else tuple(missing)
+            raise ValueError(
+                f"{name} is replicated over mesh axes {missing} inside shard_map (in_specs "
+                f"P() for it) while {' and '.join(split)} {'is' if len(split) == 1 else 'are'}"
+                f" split over them, so the loss would pair each device's rows with rows of "
+                f"another device's examples: a wrong loss, silently. Split {name} like the "
+                f"others: in_specs=P({spec!r}) for it (each device its own rows), or pass "
+                "every input replicated and call the loss without axis_name."
+            )
+
+
 def untyped_manual_axes(axis_name: AxisName | None) -> tuple:
     """Manual axes bound here (``pmap``, ``shard_map``) outside ``axis_name`` whose values
     carry no varying type (``pmap``, ``shard_map(check_vma=False)``).

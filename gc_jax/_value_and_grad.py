@@ -246,6 +246,9 @@ def cached_value_and_grad(
             raise ValueError("no inputs were given; expected at least one batch to encode.")
         _check_loss_call(loss_fn, len(inputs), loss_kwargs)
         _validation.axis_bound(axis_name)
+        _distributed.check_split_alike(
+            {f"inputs[{i}]": x for i, x in enumerate(inputs)}, _distributed.typed_axes(axis_name)
+        )
         _validation.rng_key(rng)
         _loss_scale.check_loss_scale(loss_scale)
         if rng is not None and axis_name is not None:  # distinct dropout on every device

@@ -175,6 +175,7 @@ def _run(local, x, y, scalars, *, reduction, method, axis_name, sides):
     types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the core's
     ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
     """
+    _distributed.check_split_alike({"x": x, "y": y}, _distributed.typed_axes(axis_name))
     layout = _distributed.rows_layout(x, axis_name)
     here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
     gathered = layout.shards * here  # what every device would hold in the gather form

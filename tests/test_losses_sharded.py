@@ -256,3 +256,28 @@ def test_sharded_jit_matches_unsharded(devices, axis_type, spec, set_mesh):
     chex.assert_trees_all_close(got, want, **BLOCK_TOL)
     if axis_type == AxisType.Explicit:  # the sharding is in the type: gradients keep it
         assert all(jax.typeof(g).sharding.spec == spec for _, grads in got for g in grads)
+
+
+@pytest.mark.parametrize("method", ["gather", "ring"])
+def test_a_replicated_side_under_shard_map_is_refused(method):
+    """Queries split, documents replicated (``in_specs=(P("d"), P())``): the documents
+    would be read as hard negatives, or gathered once per device. The types say it,
+    so every loss and the core refuse it, naming the in_specs to write."""
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    x = jax.device_put(jnp.ones((32, 8)), NamedSharding(mesh, P("d")))
+    y = jnp.ones((32, 8))
+    losses = {
+        "contrastive": lambda x, y: gc_jax.losses.contrastive_loss(
+            x, y, axis_name="d", method=method
+        ),
+        "clip": lambda x, y: gc_jax.losses.clip_loss(x, y[:8], 0.0, axis_name="d", method=method),
+    }
+    for loss in losses.values():
+        f = jax.shard_map(loss, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())
+        with pytest.raises(ValueError, match=r"y is replicated over mesh axes \['d'\].*P\('d'\)"):
+            jax.jit(f)(x, y)
+    loss = lambda w, q, d: gc_jax.losses.contrastive_loss(q, d, axis_name="d", method=method)
+    step = gc_jax.cached_value_and_grad(loss, lambda w, x, k: x @ w, 4, axis_name="d")
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("d"), P()), out_specs=(P(), P()))
+    with pytest.raises(ValueError, match=r"inputs\[1\] is replicated .*in_specs=P\('d'\)"):
+        jax.jit(step)(jnp.eye(8), x, y)
