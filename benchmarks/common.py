@@ -390,8 +390,29 @@ def out_of_memory(err: Exception) -> tuple[float, float] | None:
     return tuple(float(found[i]) * _UNITS[found[i + 1]] for i in (1, 3))
 
 
+# A buffer-assignment line of a preallocated temporary. libtpu 0.0.42 (JAX 0.10) writes
+# "allocation 7: size N, preallocated-temp:", 0.0.50 (JAX 0.12) "size N, page 0,
+# preallocated-temp:"; memories other than HBM say "color C, " first (1: the on-chip
+# VMEM; 2 and 6: a few bytes of flags).
+_TEMP = re.compile(
+    r"^allocation \d+: size (\d+),(?: color (\d+),)?(?: page \d+,)? preallocated-temp", re.M
+)
+
+
+def preallocated_temps(text: str) -> dict[int, int]:
+    """Bytes of preallocated temporaries per memory colour (0: HBM, 1: VMEM) in a
+    buffer-assignment dump; raises if none parses (the format changed)."""
+    found = _TEMP.findall(text)
+    if not found:
+        raise ValueError("no preallocated-temp line parsed: has the dump format changed?")
+    temps: dict[int, int] = {}
+    for size, color in found:
+        temps[int(color or 0)] = temps.get(int(color or 0), 0) + int(size)
+    return temps
+
+
 def allocated_temp(dump: str) -> int | None:
-    """The buffer assignment's preallocated temp in device memory (XLA dump), or None.
+    """The buffer assignment's preallocated temp in HBM (XLA dump), or None.
 
     On the TPU compiler ``memory_analysis().temp_size_in_bytes`` can exceed what the
     buffer assignment allocates by whole batch-sized buffers, and the compiler's own
@@ -399,8 +420,7 @@ def allocated_temp(dump: str) -> int | None:
     """
     for path in glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt")):
         with open(path) as f:
-            sizes = re.findall(r"^allocation \d+: size (\d+), preallocated-temp", f.read(), re.M)
-        return sum(map(int, sizes))
+            return preallocated_temps(f.read()).get(0, 0)
     return None
 
 

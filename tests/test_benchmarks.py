@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import common, gpu_step, tpu_compile
 
 
@@ -99,3 +101,21 @@ def test_every_benchmark_module_imports_from_the_root():
     out = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_buffer_assignment_reads_both_libtpu_formats():
+    """libtpu 0.0.42 and 0.0.50 write the preallocated temporaries differently; both
+    parse, by memory colour, and text with none of them is an error, never a zero."""
+    old = (
+        "allocation 7: size 100, preallocated-temp:\n"
+        "allocation 8: size 5, color 1, preallocated-temp:"
+    )
+    new = (
+        "allocation 7: size 100, page 0, preallocated-temp:\n"
+        "allocation 8: size 5, color 1, page 0, preallocated-temp:\n"
+        "allocation 9: size 3, color 2, page 0, preallocated-temp:"
+    )
+    assert common.preallocated_temps(old) == {0: 100, 1: 5}
+    assert common.preallocated_temps(new) == {0: 100, 1: 5, 2: 3}
+    with pytest.raises(ValueError, match="format changed"):
+        common.preallocated_temps("allocation 1: size 4, page 0, parameter 0")

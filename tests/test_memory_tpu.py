@@ -18,6 +18,7 @@ import pytest
 import test_memory as cpu
 
 import gc_jax
+from benchmarks import common
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compile-only users
 
@@ -38,14 +39,6 @@ def on_tpu(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-# A buffer-assignment line; libtpu 0.0.42 writes "size N, preallocated-temp", newer
-# ones "size N, page 0, preallocated-temp", with "color C, " before the page for the
-# other memories (1: the on-chip VMEM; 2 and 6: a few bytes of flags and semaphores).
-TEMP = re.compile(
-    r"^allocation \d+: size (\d+),(?: color (\d+),)?(?: page \d+,)? preallocated-temp", re.M
-)
-
-
 def allocated_bytes(rows: int) -> int:
     """What the chip holds for the step: arguments, outputs and the buffer assignment's
     temporaries in HBM and VMEM (``memory_analysis()`` counts HBM temp only, and
@@ -55,10 +48,9 @@ def allocated_bytes(rows: int) -> int:
     with tempfile.TemporaryDirectory() as dump:
         compiled = jax.jit(f).lower(*args).compile({"xla_dump_to": dump})
         (path,) = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
-        temps = TEMP.findall(Path(path).read_text())
-    assert temps, f"no preallocated-temp line parsed in {path}: has the format changed?"
+        temps = common.preallocated_temps(Path(path).read_text())
     m = compiled.memory_analysis()
-    temp = sum(int(size) for size, color in temps if color in ("", "1"))
+    temp = temps.get(0, 0) + temps.get(1, 0)
     return m.argument_size_in_bytes + m.output_size_in_bytes + temp
 
 
