@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -31,6 +32,8 @@ import numpy as np
 
 from gc_jax import _distributed, _narrow, _validation
 from gc_jax._base import PyTree
+
+_MASK = "attention_mask"  # read with a lengths() callable too, where the batch has it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,10 @@ class TokenBudget:
         a dict batch (default ``"attention_mask"``; the length is one past the last
         nonzero position, so any mask is exact, left padding included, though only
         trailing padding is trimmed), or ``lengths(batch) -> int[rows]``, which must
-        count every token the encoder may attend to.
+        count every token the encoder may attend to (where a dict batch also has an
+        ``"attention_mask"``, the larger of the two lengths is used, so an undercount
+        never trims a token). A float leaf ``[rows, L]`` is trimmed too, with a
+        warning: check that its padding positions carry nothing.
 
     Which leaves are trimmed: every leaf of rank 2 or more whose axis 1 is the padded
     length ``L`` (token ids, masks, token types, position ids, per-token features);
@@ -274,8 +280,16 @@ def row_lengths(batch: PyTree, budget: TokenBudget, name: str) -> jax.Array:
                 f"TokenBudget lengths({name}) returned {lengths.shape} {lengths.dtype}; it "
                 f"must return one integer length per row (shape ({rows},))."
             )
+        if hasattr(batch, "keys") and _MASK in batch and getattr(batch[_MASK], "ndim", 0) == 2:
+            # Never trim what the mask says is a token: a lengths() that undercounts
+            # (left padding, holes) would silently change the encoder's outputs.
+            lengths = jnp.maximum(lengths, _mask_lengths(batch[_MASK]))
         return lengths
-    mask = _mask(batch, budget.lengths, name)
+    return _mask_lengths(_mask(batch, budget.lengths, name))
+
+
+def _mask_lengths(mask: jax.Array) -> jax.Array:
+    """One past each row's last nonzero mask position."""
     positions = jnp.arange(1, mask.shape[1] + 1, dtype=jnp.int32)
     return jnp.max(jnp.where(mask != 0, positions, 0), axis=1)
 
@@ -314,6 +328,9 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str,
     num_shards = layout.array_shards
     batch_size = jax.tree.leaves(batch)[0].shape[0]
     padded = padded_length(batch, budget, name)
+    _warn_float_columns(
+        batch, padded, name, budget.lengths if isinstance(budget.lengths, str) else _MASK
+    )
     shapes = budget.chunk_shapes(padded, batch_size // num_shards)
     rows, lengths = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
     length = row_lengths(batch, budget, name).reshape(num_shards, -1)
@@ -323,6 +340,23 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str,
     starts, ends, trips = _spans(bucket, rows)
     return TokenPlan(batch_size, num_shards, padded, lengths, rows, order, starts, ends, trips,
                      layout)  # fmt: skip
+
+
+def _warn_float_columns(batch: PyTree, padded: int, name: str, mask: str) -> None:
+    """Warns about float ``[rows, padded]`` leaves (but the mask): trimmed like tokens,
+    which is wrong for a dense feature that merely has ``padded`` columns."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if jax.tree_util.keystr(path) == f"[{mask!r}]":
+            continue
+        if x.ndim == 2 and x.shape[1] == padded and jnp.issubdtype(x.dtype, jnp.floating):
+            warnings.warn(
+                f"{name}{jax.tree_util.keystr(path)} is a float [rows, {padded}] leaf: the "
+                f"TokenBudget trims it to each bucket's length like token ids, as a "
+                "per-token feature. If it is a dense feature of that width, the trim drops "
+                "columns and gradient caching is not exact: reshape it (e.g. [rows, 1, "
+                f"{padded}]) or pass it outside the token batch.",
+                stacklevel=4,
+            )
 
 
 def _spans(bucket: jax.Array, rows: tuple[int, ...]):

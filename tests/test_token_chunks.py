@@ -224,8 +224,30 @@ def test_testing_reference_with_a_budget():
     def sees_padding(p, x, key):  # an unmasked mean over every position
         return towers(True)(p, x, key) + p["q"]["emb"][x["input_ids"]].mean((1, 2))[:, None]
 
-    with pytest.raises(AssertionError, match="differs from the full batch"):
-        check(loss_fn, sees_padding, BUDGET, params, q, d, **TOL)
+    trim_error = "trimmed to their bucket's length than at the padded length"
+    for rng in (None, jax.random.key(4)):  # with rng too: the chunks are compared trimmed
+        with pytest.raises(AssertionError, match=trim_error):
+            check(loss_fn, sees_padding, BUDGET, params, q, d, rng=rng, **TOL)
+
+
+def test_lengths_that_undercount_the_mask_never_trim_a_token():
+    """A ``lengths=`` callable that undercounts (``mask.sum(1)`` with holes in the
+    mask) is raised to the mask's own lengths: exact, where it was silently not."""
+    params, encoders = make_params(), towers(False)
+    q, d = text_batch(12, "uniform", 21), text_batch(12, "uniform", 22)
+    holes = lambda b: {**b, "attention_mask": b["attention_mask"].at[:, 1].set(0)}
+    q, d = holes(q), holes(d)
+    counted = gc_jax.TokenBudget(48, BUCKETS, lengths=lambda b: b["attention_mask"].sum(1))
+    gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, counted, params, q, d, **TOL)
+
+
+def test_a_float_leaf_as_wide_as_the_padded_length_warns():
+    params, encoders = make_params(), towers(True)
+    q = {**text_batch(12, "uniform", 23), "dense": jnp.ones((12, PADDED))}
+    enc = lambda p, x, key: encoders(p, x, key) + x["dense"].sum(1, keepdims=True)
+    f = gc_jax.cached_value_and_grad(loss_fn, enc, BUDGET)
+    with pytest.warns(UserWarning, match=r"inputs\[0\]\['dense'\] is a float \[rows, 16\]"):
+        jax.eval_shape(f, params, q, q)
 
 
 def test_shard_map_plans_per_device():
