@@ -496,6 +496,30 @@ def test_sophia_train_state_with_dropout():
     chex.assert_trees_all_close(new.opt_state, opt_state, rtol=1e-4, atol=1e-5)  # the Hessian
 
 
+def test_sophia_under_shard_map_sees_the_global_hessian():
+    """obj_fn is the global loss: every device's Hessian estimate is the full batch's."""
+    assert jax.device_count() >= 8, (
+        "this test needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = optax.contrib.sophia(1e-2, update_interval=1)
+    data = batches(2, rows=32)
+    want, want_opt_state = reference_with(tx, data, ("obj_fn",))
+
+    def loss(p, q, d):
+        return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]), axis_name="data")
+
+    step = gc_jax.make_train_step(loss, ENCODERS, 3, optimizer=tx, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()))
+    )
+    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    state = (init_params(), tx.init(init_params()))
+    for q, d in data:
+        state, _ = step(state, shard(q), shard(d))
+    chex.assert_trees_all_close(state, (want[-1][0], want_opt_state), rtol=1e-4, atol=1e-5)
+
+
 def test_a_non_finite_adversarial_gradient_skips_the_step():
     """SAM's second gradient is checked too: the update it gives must be finite."""
     poison = optax.stateless(lambda u, p: jax.tree.map(lambda x: x * jnp.nan, u))
