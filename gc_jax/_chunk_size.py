@@ -3,15 +3,19 @@
 Users ask which chunk size to use and otherwise find out by running out of memory.
 Here the compiler answers ahead of time: candidate steps are lowered with abstract
 arguments and compiled (``jax.jit(step).lower(...).compile()``, nothing is run), and
-their ``memory_analysis()`` is compared with the budget, bisecting over the
-candidates. That works for the local accelerator and equally for the compile-only
-devices of a TPU topology (``jax.experimental.topologies``) on a machine without one.
+their ``memory_analysis()`` is compared with the budget, from the largest candidate
+down to the first that fits (compiled memory is not quite monotone in the chunk size,
+so a bisection could stop short). That works for the local accelerator and equally
+for the compile-only devices of a TPU topology (``jax.experimental.topologies``) on a
+machine without one.
 """
 
 from __future__ import annotations
 
+import itertools
+import numbers
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +24,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from gc_jax import _validation
 from gc_jax._base import PyTree
+from gc_jax._token_chunks import TokenBudget
 
 _GIB = 2**30
 # The HBM the TPU compiler offers one program per device (libtpu 0.0.42, measured
@@ -114,18 +120,110 @@ def _budget_device(target: jax.Device | Mesh | None, args: PyTree) -> jax.Device
     return jax.devices()[0]
 
 
-def _candidates(candidates: int | Sequence[Any]) -> list[Any]:
-    if isinstance(candidates, (int, np.integer)) and not isinstance(candidates, bool):
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def _budget(budget_bytes: Any) -> float | None:
+    """``budget_bytes`` as a positive number of bytes (None stays None)."""
+    if budget_bytes is None:
+        return None
+    value, error = None, ValueError
+    if isinstance(budget_bytes, str):
+        found = _SIZE.fullmatch(budget_bytes)
+        if found and found.group(2).lower() in _UNITS:
+            value = float(found.group(1)) * _UNITS[found.group(2).lower()]
+    elif isinstance(budget_bytes, numbers.Real) and not isinstance(budget_bytes, bool):
+        value = float(budget_bytes)
+    else:
+        error = TypeError
+    if value is None or not value > 0:  # not a size, not a number, <= 0 or NaN
+        raise error(
+            "budget_bytes must be a positive number of bytes per device (e.g. 16 * 2**30) or "
+            'a string such as "16GiB", "1.5GB" or "512 MiB" (KB, MB, GB, TB are powers of '
+            f"1000; KiB, MiB, GiB, TiB powers of 1024); got {budget_bytes!r} "
+            f"({type(budget_bytes).__name__})."
+        )
+    return value
+
+
+def _candidate(value: Any, i: int) -> int | tuple[int, ...]:
+    """One candidate: a positive int, or a tuple of them (one chunk size per input)."""
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        if not value:
+            raise ValueError(f"candidates[{i}] is empty; expected one chunk size per input.")
+        return tuple(
+            _validation.positive_int(v, f"candidates[{i}][{j}]") for j, v in enumerate(value)
+        )
+    if isinstance(value, TokenBudget):
+        raise TypeError(
+            f"candidates[{i}] is a gc_jax.TokenBudget; largest_chunk_size orders candidates "
+            "by rows, so pass chunk sizes in rows: positive ints, or tuples of them per input."
+        )
+    return _validation.positive_int(value, f"candidates[{i}]")
+
+
+def _ascending(tried: list[Any]) -> list[Any]:
+    """The distinct candidates, smallest first; per-input tuples must grow together."""
+    kinds = {len(c) if isinstance(c, tuple) else None for c in tried}
+    if len(kinds) > 1:
+        raise TypeError(
+            "candidates must be all ints (one chunk size for every input) or all tuples of "
+            f"the same length (one per input); got {tried!r}."
+        )
+    tried = sorted(set(tried))
+    for small, large in itertools.pairwise(tried):
+        if isinstance(small, tuple) and not all(a <= b for a, b in zip(small, large, strict=True)):
+            raise ValueError(
+                f"candidates {small} and {large} do not grow together (each input's chunk "
+                "size at least the smaller candidate's), so neither is the larger; pass "
+                "per-input candidates that do, e.g. [(16, 64), (32, 128), (64, 256)]."
+            )
+    return tried
+
+
+def _candidates(candidates: Any) -> list[Any]:
+    """The candidates to try, smallest first, each once."""
+    if isinstance(candidates, int | np.integer) and not isinstance(candidates, bool):
         if candidates < 1:
-            raise ValueError(f"candidates must be >= 1 (the batch rows); got {candidates}")
+            raise ValueError(
+                f"candidates must be >= 1 (the rows per device of the batch); got {candidates}."
+            )
         powers = [2**k for k in range(int(candidates).bit_length()) if 2**k < candidates]
         return [*powers, int(candidates)]
-    if isinstance(candidates, Sequence) and len(candidates) > 0:
-        return list(candidates)
+    if isinstance(candidates, Iterable) and not isinstance(candidates, str | bytes | Mapping):
+        tried = [_candidate(c, i) for i, c in enumerate(candidates)]
+        if tried:
+            return _ascending(tried)
+        raise ValueError(
+            "candidates is empty; pass the rows per device (an int) or the chunk sizes to try."
+        )
+    hint = ""
+    if isinstance(candidates, str | bytes):
+        rows = candidates.strip() if isinstance(candidates, str) else ""
+        write = f"candidates={rows} (the rows per device) or " if rows.isdigit() else ""
+        hint = f"; a string is not a list of sizes: write {write}a list such as [64, 128, 256]"
     raise TypeError(
-        "candidates must be the batch rows (an int: powers of two up to it are tried) or a "
-        f"non-empty sequence of chunk sizes, smallest memory first; got {candidates!r}"
+        "candidates must be the rows per device of the batch (an int: powers of two up to it "
+        "are tried) or an iterable of chunk sizes (positive ints, or tuples of them, one per "
+        f"input); got {candidates!r} ({type(candidates).__name__}){hint}."
     )
+
+
+def _largest_fitting(measure: Callable[[Any], int | None], tried: list, budget: float):
+    """``(index of the largest candidate that fits or None, {index: bytes or None})``.
+
+    Candidates are compiled from the largest down and the first that fits is the
+    answer: exact even where memory is not monotone in the chunk size (it is not
+    quite, on a mesh), and every candidate above it has been seen not to fit.
+    """
+    measured = {}
+    for i in reversed(range(len(tried))):
+        measured[i] = measure(tried[i])
+        if measured[i] is not None and measured[i] <= budget:
+            return i, measured
+    return None, measured
 
 
 def _bytes_or_none(step: Callable[..., Any], args: PyTree, kwargs: dict, mesh) -> int | None:
@@ -145,10 +243,10 @@ def _bytes_or_none(step: Callable[..., Any], args: PyTree, kwargs: dict, mesh) -
 def largest_chunk_size(
     make_step: Callable[[Any], Callable[..., Any]],
     args: Sequence[PyTree],
-    candidates: int | Sequence[Any],
+    candidates: int | Iterable[Any],
     *,
     kwargs: dict[str, Any] | None = None,
-    budget_bytes: float | None = None,
+    budget_bytes: float | str | None = None,
     device: jax.Device | Mesh | Sequence[jax.Device] | None = None,
 ) -> Any:
     """The largest chunk size whose compiled step fits in memory, found by the compiler.
@@ -156,10 +254,14 @@ def largest_chunk_size(
     Each tried step is compiled ahead of time (``jax.jit(step).lower(*args).compile()``:
     nothing runs, nothing is allocated) and fits when the compiler accepts it and its
     ``memory_analysis()`` (arguments + temporaries + outputs - donated, per device) is
-    at most the budget. Candidates are bisected, so about ``log2(len(candidates))``
-    compiles are made, assuming memory grows with the candidate's position (it does for
-    chunk sizes: one chunk's activations are live at a time). Larger chunks keep the
-    matrix units busier, so the largest that fits is returned.
+    at most the budget. Candidates are compiled from the largest down, and the first
+    that fits is returned. That is exact where a bisection is not: compiled memory is
+    not quite monotone in the chunk size (on a mesh a smaller chunk has been measured
+    to need more). The compiles are one per candidate from the largest down to the
+    answer: one when the largest fits, at most ``log2(n) + 2`` for ``candidates=n``
+    (the powers of two below ``n``, and ``n``); each is the step's full compile time,
+    so list few candidates. Larger chunks keep the matrix units busier, hence the
+    largest.
 
     Args:
       make_step: ``make_step(chunk_size) -> step``, e.g.
@@ -169,9 +271,12 @@ def largest_chunk_size(
         (only shapes, dtypes and shardings are read).
       candidates: the rows per device of the batch (an int ``n``: tries the powers of
         two below ``n`` and ``n`` itself, which is full-batch training), or the chunk
-        sizes to try, smallest memory first: ints, or tuples of per-input sizes.
+        sizes to try, in any order (duplicates are tried once): positive ints, or
+        tuples of per-input sizes that grow together (e.g. ``[(16, 64), (32, 128)]``).
       kwargs: keyword arguments of the step (e.g. ``{"rng": key}``).
-      budget_bytes: bytes per device the step may use. Default: the device's memory
+      budget_bytes: bytes per device the step may use: a positive number, or a
+        string such as ``"16GiB"`` or ``"1.5GB"`` (KiB, MiB, GiB, TiB are powers of
+        1024; KB, MB, GB, TB powers of 1000). Default: the device's memory
         (``memory_stats()["bytes_limit"]`` of a live device, or the HBM the TPU
         compiler offers a program on a TPU device, compile-only ones included). Leave
         some headroom on a live device (other buffers, fragmentation).
@@ -182,11 +287,15 @@ def largest_chunk_size(
         ``NamedSharding`` on it, others are replicated, and the budget is per device.
 
     Returns:
-      The largest fitting entry of the candidates.
+      The largest candidate whose compiled step fits (an int, or a tuple for
+      per-input candidates); every larger candidate was compiled and does not fit.
 
     Raises:
-      ValueError: no budget can be found for the device (a CPU: pass
-        ``budget_bytes``), or even the first candidate does not fit.
+      TypeError: ``candidates`` is not an int or an iterable of chunk sizes (a
+        string, say), or ``budget_bytes`` is not a number or a string.
+      ValueError: a candidate is not positive, per-input candidates do not grow
+        together, ``budget_bytes`` is not positive or not a size, no budget can be
+        found for the device (a CPU: pass ``budget_bytes``), or no candidate fits.
 
     Examples:
       A tanh MLP, 8,192 rows per input, on the CPU with a 50 MiB budget (a CPU reports
@@ -204,38 +313,34 @@ def largest_chunk_size(
       >>> make = lambda c: gc_jax.cached_value_and_grad(loss, encode, c)
       >>> gc_jax.largest_chunk_size(make, (params, x, x), 8192, budget_bytes=50 * 2**20)
       1024
+
+      The same with chunk sizes of your own, in any order, and the budget as a string:
+
+      >>> gc_jax.largest_chunk_size(make, (params, x, x), [4096, 512, 1024], budget_bytes="50MiB")
+      1024
     """
-    if budget_bytes is not None and not budget_bytes > 0:
-        raise ValueError(f"budget_bytes must be positive; got {budget_bytes!r}")
+    budget = _budget(budget_bytes)
+    tried = _candidates(candidates)
     target = _target(device)
     args = _place(target, tuple(args))
     kwargs = _place(target, dict(kwargs or {}))
-    budget = budget_bytes
     if budget is None:
         chip = _budget_device(target, args)
         budget = device_memory(chip)
         if budget is None:
             raise ValueError(
                 f"largest_chunk_size: {chip} ({chip.platform}) reports no memory limit; "
-                "pass budget_bytes=..., the bytes per device the step may use."
+                'pass budget_bytes=..., the bytes per device the step may use (e.g. "8GiB").'
             )
-    tried = _candidates(candidates)
     mesh = target if isinstance(target, Mesh) else None
-    found, measured = -1, {}
-    lo, hi = -1, len(tried)  # tried[lo] fits (or lo == -1); tried[hi] does not (or hi == len)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        measured[mid] = _bytes_or_none(make_step(tried[mid]), args, kwargs, mesh)
-        if measured[mid] is not None and measured[mid] <= budget:
-            lo = found = mid
-        else:
-            hi = mid
-    if found < 0:
-        used = measured.get(0)
+    measure = lambda c: _bytes_or_none(make_step(c), args, kwargs, mesh)
+    found, measured = _largest_fitting(measure, tried, budget)
+    if found is None:
+        used = measured[0]
         need = "more than the compiler offers" if used is None else f"{used:,} bytes"
         raise ValueError(
-            f"largest_chunk_size: even the first candidate, chunk_size={tried[0]!r}, needs "
-            f"{need} against a budget of {budget:,.0f} bytes per device; try smaller chunk "
-            "sizes, fewer rows per device, or a larger budget_bytes."
+            f"largest_chunk_size: no candidate fits; even the smallest, chunk_size={tried[0]!r}, "
+            f"needs {need} against a budget of {budget:,.0f} bytes per device; try smaller "
+            "chunk sizes, fewer rows per device, or a larger budget_bytes."
         )
     return tried[found]

@@ -19,6 +19,8 @@ optimizer update is elementwise and cheap next to the two encoder passes.
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,25 +54,16 @@ def _check_optimizer(optimizer: Any) -> Any:
     )
 
 
-def _takes_extra_args(tx: Any) -> bool:
-    """Whether ``tx.update`` accepts optax's extra arguments (``value=``, ...)."""
-    multi_steps = isinstance(tx, optax.MultiSteps) or isinstance(
-        getattr(tx.update, "__self__", None), optax.MultiSteps
-    )
-    return multi_steps or isinstance(tx, optax.GradientTransformationExtraArgs)
+def _extras(value_and_grads, loss, grads) -> dict[str, Any]:
+    """Every keyword an optax ``update`` may ask for, from the gradient-cached loss.
 
-
-def _value_fn(grad_fn, has_aux, inputs, rng, loss_scale, loss_kwargs):
-    """The loss at given params, the same batch and keys: optax's ``value_fn``.
-
-    Its derivative is the cached gradient (a ``custom_jvp``), so a line search that
-    differentiates it (``optax.lbfgs``) runs one gradient-cached pass per trial
-    point and never holds the whole batch's activations.
+    ``value_and_grads(params) -> (loss, grads)`` is the cached step at other
+    parameters (same batch, keys and loss kwargs). ``value_fn`` and ``obj_fn`` (the
+    loss at given params) differentiate with the cached gradient, twice too (their
+    Hessian-vector products, ``jax.jvp(jax.grad(obj_fn), ...)``, are exact: the
+    cached gradient is differentiable); ``grad_fn(params, i)`` is the gradient at
+    ``params`` (``i``, SAM's adversarial step, is ignored: the batch is the same).
     """
-
-    def value_and_grads(params):
-        out, grads = grad_fn(params, *inputs, rng=rng, loss_scale=loss_scale, **loss_kwargs)
-        return (out[0] if has_aux else out), grads
 
     @jax.custom_jvp
     def value_fn(params):
@@ -83,14 +76,80 @@ def _value_fn(grad_fn, has_aux, inputs, rng, loss_scale, loss_kwargs):
         slope = sum((jnp.vdot(g, t.astype(g.dtype)) for g, t in pairs), jnp.zeros_like(value))
         return value, slope
 
-    return value_fn
+    def grad_fn(params, i=None):
+        del i
+        return value_and_grads(params)[1]
+
+    return {"value": loss, "grad": grads, "value_fn": value_fn, "obj_fn": value_fn,
+            "grad_fn": grad_fn}  # fmt: skip
+
+
+def _offered(update: Callable, extra: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``extra`` that ``update``'s signature takes (all, with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(update).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: offer all, rejections are dropped
+        return dict(extra)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(extra)
+    named = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return {k: v for k, v in extra.items() if k in named}
+
+
+def _rejected(error: TypeError, offered: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """``(where, keywords)`` when ``error`` says an update does not take offered keywords.
+
+    Python says ``f() got an unexpected keyword argument 'k'``; optax's line searches
+    say ``Unexpected keyword arguments passed to `...`: ['k', ...]``.
+    """
+    message = str(error)
+    names = [k for k in offered if f"'{k}'" in message]
+    if "unexpected keyword argument" not in message.lower() or not names:
+        return None
+    where = re.search(r"\S+\(\)|`[^`]+`", message)
+    return (where.group(0).strip("`") if where else "a part of it"), names
+
+
+def _left_out(error: Exception, tx: Any, dropped: list[tuple[str, list[str]]]) -> Exception:
+    """``error``, raised after keywords were left out, with what was left out and why."""
+    by_where: dict[str, list[str]] = {}
+    for where, names in dropped:
+        by_where.setdefault(where, []).extend(f"{name}=" for name in names)
+    said = "; ".join(f"{where} takes no {', '.join(names)}" for where, names in by_where.items())
+    message = (
+        f"{error}\nmake_train_step(optimizer={type(tx).__name__}(...)) left keywords out "
+        f"of its update because a part of it rejected them ({said}); optax.chain and "
+        "optax.MultiSteps hand every keyword to each member that takes extra arguments, so "
+        "that member keeps them from one that needs them. Wrap the rejecting member so it "
+        "drops what it does not take, e.g. for optax.contrib.sam: "
+        "optax.GradientTransformationExtraArgs(sam.init, lambda u, s, p=None, *, "
+        "grad_fn=None, **_: sam.update(u, s, p, grad_fn=grad_fn))."
+    )
+    if type(error) in (TypeError, ValueError):
+        return type(error)(message)
+    error.add_note(message)
+    return error
 
 
 def _optax_update(tx, grads, opt_state, params, extra: dict[str, Any]):
-    """``tx.update``, with ``value``/``grad``/``value_fn`` where ``tx`` takes them."""
-    if not _takes_extra_args(tx):
-        return tx.update(grads, opt_state, params)
-    return tx.update(grads, opt_state, params, **extra)
+    """``tx.update``, with the keywords of ``extra`` its signature (and its parts) take.
+
+    A keyword an update rejects (``unexpected keyword argument``: a member of an
+    ``optax.chain`` that takes fewer) is left out and the update traced again, as a
+    full-batch loop would simply not pass it; an error after that says what was left out.
+    """
+    offered, dropped = _offered(tx.update, extra), []
+    while True:
+        try:
+            return tx.update(grads, opt_state, params, **offered)
+        except Exception as e:
+            rejected = _rejected(e, offered) if isinstance(e, TypeError) else None
+            if rejected is None:
+                if not dropped:
+                    raise
+                raise _left_out(e, tx, dropped) from e
+            dropped.append(rejected)
+            offered = {k: v for k, v in offered.items() if k not in rejected[1]}
 
 
 def _apply_pair(tx, trained, grads, extra):
@@ -99,28 +158,59 @@ def _apply_pair(tx, trained, grads, extra):
     return optax.apply_updates(params, updates), opt_state
 
 
+def _restricted(extra: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` for the ``"params"`` entry of ``whole`` (the rest held fixed)."""
+    at = lambda p: {**whole, "params": p}
+    value_fn = lambda p: extra["value_fn"](at(p))
+    return dict(
+        extra,
+        grad=extra["grad"]["params"],
+        value_fn=value_fn,
+        obj_fn=value_fn,
+        grad_fn=lambda p, i=None: extra["grad_fn"](at(p), i)["params"],
+    )
+
+
 def _apply_train_state(state: TrainState, grads, extra) -> TrainState:
-    """``state.apply_gradients(grads=grads)``, passing ``extra`` to optimizers taking it."""
-    if not _takes_extra_args(state.tx):
+    """``state.apply_gradients(grads=grads)``, passing ``extra`` as for a pair."""
+    if not _offered(state.tx.update, extra):
         return state.apply_gradients(grads=grads)
     owg = flax_train_state.OVERWRITE_WITH_GRADIENT
     if owg not in grads:
         params, opt_state = _apply_pair(state.tx, (state.params, state.opt_state), grads, extra)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     whole = state.params
-    sub_extra = dict(
-        extra,
-        grad=grads["params"],
-        value_fn=lambda p: extra["value_fn"]({**whole, "params": p}),
-    )
     params, opt_state = _apply_pair(
-        state.tx, (whole["params"], state.opt_state), grads["params"], sub_extra
+        state.tx, (whole["params"], state.opt_state), grads["params"], _restricted(extra, whole)
     )
     return state.replace(
         step=state.step + 1,
         params={**whole, "params": params, owg: grads[owg]},
         opt_state=opt_state,
     )
+
+
+def _apply(tx, trained, loss, grads, value_and_grads) -> tuple[Any, Any]:
+    """The updated ``trained`` state, and whether the optimizer's own evaluations were finite.
+
+    When the optimizer evaluated the loss or gradient at other params (SAM's
+    adversarial gradient, a line search, a Hessian-vector product), their
+    overflow shows only in the update: then the updated params must be finite too.
+    """
+    evaluated = []
+
+    def counted(params):
+        evaluated.append(True)
+        return value_and_grads(params)
+
+    extra = _extras(counted, loss, grads)
+    if tx is None:
+        new = _apply_train_state(trained, grads, extra)
+    else:
+        new = _apply_pair(tx, trained, grads, extra)
+    if not evaluated:
+        return new, True
+    return new, _loss_scale.all_finite(loss, new.params if tx is None else new[0])
 
 
 # --- the two forms of state --------------------------------------------------------------
@@ -228,12 +318,19 @@ def make_train_step(
     ``axis_name``, ``batch_axis`` and ``cache_dtype``); this adds the optimizer
     update and the bookkeeping around it.
 
-    Optimizers that take optax's extra arguments (``GradientTransformationExtraArgs``
-    and ``optax.MultiSteps``) get ``value=`` (the loss), ``grad=`` (the gradients)
-    and ``value_fn=`` (the loss at other parameters, for the same batch, keys and
-    loss kwargs, differentiable with the cached gradient). So
-    ``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd`` and ``optax.lbfgs``
-    work as they do with full-batch ``jax.value_and_grad``; others ignore them.
+    The optimizer's ``update`` gets the keywords its signature takes (all of them
+    when it takes ``**kwargs``, as ``optax.chain`` and ``optax.MultiSteps`` do), all
+    computed from the gradient-cached loss on the same batch, keys and loss kwargs:
+    ``value=`` (the loss), ``grad=`` (the gradients), ``value_fn=`` and ``obj_fn=``
+    (the loss at other parameters, differentiable with the cached gradient, twice
+    too), and ``grad_fn=`` (``grad_fn(params, i)``: the gradient at other parameters;
+    ``i`` is ignored). So ``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd``,
+    ``optax.lbfgs`` (its line search), ``optax.contrib.sophia`` (Hutchinson's
+    Hessian-vector products) and ``optax.contrib.sam`` (``opaque_mode=True``: the
+    adversarial gradient; the default transparent mode needs nothing) train exactly
+    as with full-batch ``jax.value_and_grad``; others ignore them. Where a member of
+    a chain rejects a keyword (``optax.contrib.sam`` takes only ``grad_fn=``), it is
+    left out, as a full-batch loop would not pass it.
 
     Args:
       loss_fn: ``loss_fn(params, *reps, **loss_kwargs)``, a scalar (or
@@ -255,7 +352,9 @@ def make_train_step(
         device encodes its own rows of every chunk. Not needed under explicit axes.
       skip_nonfinite: if the loss or any gradient is not finite, return the state
         unchanged (params, optimizer state and ``TrainState.step``) instead of
-        applying the update. ``metrics["is_finite"]`` says which happened.
+        applying the update; when the optimizer evaluated the loss at other
+        parameters (``value_fn``, ``obj_fn``, ``grad_fn``), also if an updated
+        parameter is not finite. ``metrics["is_finite"]`` says which happened.
       loss_scale: None; a positive number, a static loss scale; or ``"dynamic"``,
         dynamic loss scaling (for float16 encoders): the state then carries a
         :class:`DynamicLossScale` (see Returns), halved on every non-finite step
@@ -331,6 +430,15 @@ def make_train_step(
       >>> opt = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))
       >>> step = jax.jit(gc_jax.make_train_step(loss, encode, 2, optimizer=opt))
       >>> state, metrics = step((params, opt.init(params)), q, d)  # gets value=loss
+
+      Sharpness-aware minimisation, its adversarial gradient gradient-cached too:
+
+      >>> adv = optax.chain(optax.contrib.normalize(), optax.sgd(0.05))
+      >>> opt = optax.contrib.sam(optax.sgd(0.1), adv, opaque_mode=True)
+      >>> step = jax.jit(gc_jax.make_train_step(loss, encode, 2, optimizer=opt))
+      >>> state, metrics = step((params, opt.init(params)), q, d)  # gets grad_fn=
+      >>> bool(metrics["is_finite"])
+      True
     """
     tx = _check_optimizer(optimizer)
     loss_scale, growth_interval, check_mode = _check_settings(
@@ -363,12 +471,12 @@ def make_train_step(
             dynamic_scale = scale_state.scale if dynamic else None
             _loss_scale.check_finite(check_mode, loss, grads, dynamic_scale)
 
-        value_fn = _value_fn(grad_fn, has_aux, inputs, rng, scale, loss_kwargs)
-        extra = {"value": loss, "grad": grads, "value_fn": value_fn}
-        if tx is None:
-            new = _apply_train_state(trained, grads, extra)
-        else:
-            new = _apply_pair(tx, trained, grads, extra)
+        def value_and_grads(at):  # the same step at other params, for the optimizer
+            out, grads = grad_fn(at, *inputs, rng=rng, loss_scale=scale, **loss_kwargs)
+            return (out[0] if has_aux else out), grads
+
+        new, still_finite = _apply(tx, trained, loss, grads, value_and_grads)
+        finite = finite & still_finite
         if skip_nonfinite:
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, trained)
 

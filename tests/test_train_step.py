@@ -422,6 +422,135 @@ def test_lbfgs_line_search_uses_the_cached_loss():
     assert float(got[-1][1]) < float(got[0][1])
 
 
+# SAM and Sophia ask for other keywords than value=: sam's update takes only grad_fn=
+# (opaque mode: the gradient at the adversarial params), Sophia's Hutchinson estimator
+# needs obj_fn= (Hessian-vector products, jax.jvp of jax.grad(obj_fn)).
+ADV = optax.chain(optax.contrib.normalize(), optax.sgd(0.05))
+SAM_AND_SOPHIA = {
+    "sam": (optax.contrib.sam(optax.sgd(0.1), ADV), ()),
+    "sam_opaque": (
+        optax.contrib.sam(optax.adam(1e-2), ADV, sync_period=3, opaque_mode=True),
+        ("grad_fn",),
+    ),
+    "sophia": (optax.contrib.sophia(1e-2, update_interval=2), ("obj_fn",)),
+    "chain_with_sam": (
+        optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.contrib.sam(optax.sgd(0.1), ADV, opaque_mode=True),
+        ),
+        ("grad_fn",),
+    ),
+    "multi_steps_sam": (optax.MultiSteps(optax.contrib.sam(optax.sgd(0.1), ADV), 2), ()),
+}
+
+
+def reference_with(tx, data, keywords):
+    """Full-batch optax training, passing only ``keywords`` of obj_fn= and grad_fn=."""
+
+    @jax.jit
+    def step(params, opt_state, q, d):
+        total = lambda p: infonce(p, query_tower(p, q, None), doc_tower(p, d, None))
+        loss, grads = jax.value_and_grad(total)(params)
+        offered = {"obj_fn": total, "grad_fn": lambda p, i: jax.grad(total)(p)}
+        kwargs = {k: offered[k] for k in keywords}
+        updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params, opt_state, trajectory = init_params(), tx.init(init_params()), []
+    for q, d in data:
+        params, opt_state, loss = step(params, opt_state, q, d)
+        trajectory.append((params, loss))
+    return trajectory, opt_state
+
+
+@pytest.mark.parametrize("name", list(SAM_AND_SOPHIA))
+def test_sam_and_sophia_match_full_batch(name):
+    tx, keywords = SAM_AND_SOPHIA[name]
+    data = batches(4)
+    want, want_opt_state = reference_with(tx, data, keywords)
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx))
+    got, (_, opt_state) = run_training(step, (init_params(), tx.init(init_params())), data)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(opt_state, want_opt_state, rtol=1e-4, atol=1e-5)
+    if name == "sophia":  # the Hessian diagonal was estimated, from the cached loss
+        assert float(optax.tree.norm(opt_state[0].nu)) > 0
+
+
+def test_sophia_train_state_with_dropout():
+    """A TrainState and dropout: obj_fn replays the step's own dropout keys."""
+    tx = optax.contrib.sophia(1e-2, update_interval=1)
+    q, d = batches(1)[0]
+    rng = jax.random.key(3)
+    state = TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 12))  # one chunk: full batch
+    new, _ = step(state, q, d, rng=rng)
+
+    def total(p):
+        keys = [jax.random.fold_in(jax.random.fold_in(rng, i), 0) for i in (0, 1)]
+        return infonce(p, query_tower(p, q, keys[0]), doc_tower(p, d, keys[1]))
+
+    grads = jax.grad(total)(init_params())
+    updates, opt_state = tx.update(grads, tx.init(init_params()), init_params(), obj_fn=total)
+    want = optax.apply_updates(init_params(), updates)
+    chex.assert_trees_all_close(new.params, want, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(new.opt_state, opt_state, rtol=1e-4, atol=1e-5)  # the Hessian
+
+
+def test_sophia_under_shard_map_sees_the_global_hessian():
+    """obj_fn is the global loss: every device's Hessian estimate is the full batch's."""
+    assert jax.device_count() >= 8, (
+        "this test needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = optax.contrib.sophia(1e-2, update_interval=1)
+    data = batches(2, rows=32)
+    want, want_opt_state = reference_with(tx, data, ("obj_fn",))
+
+    def loss(p, q, d):
+        return contrastive_loss(q, d, temperature=jnp.exp(p["log_temp"]), axis_name="data")
+
+    step = gc_jax.make_train_step(loss, ENCODERS, 3, optimizer=tx, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()))
+    )
+    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    state = (init_params(), tx.init(init_params()))
+    for q, d in data:
+        state, _ = step(state, shard(q), shard(d))
+    chex.assert_trees_all_close(state, (want[-1][0], want_opt_state), rtol=1e-4, atol=1e-5)
+
+
+def test_a_non_finite_adversarial_gradient_skips_the_step():
+    """SAM's second gradient is checked too: the update it gives must be finite."""
+    poison = optax.stateless(lambda u, p: jax.tree.map(lambda x: x * jnp.nan, u))
+    tx = optax.contrib.sam(optax.sgd(0.1), poison, opaque_mode=True)
+    q, d = batches(1)[0]
+    state = (init_params(), tx.init(init_params()))
+    new, metrics = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx))(state, q, d)
+    assert np.isfinite(float(metrics["loss"])) and not bool(metrics["is_finite"])
+    chex.assert_trees_all_equal(new, state)
+
+
+def test_a_chain_member_rejecting_a_needed_keyword():
+    """sam rejects value=, reduce_on_plateau needs it: the error says what to write."""
+    sam = optax.contrib.sam(optax.sgd(0.1), ADV)
+    tx = optax.chain(sam, optax.contrib.reduce_on_plateau())
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx))
+    q, d = batches(1)[0]
+    state = (init_params(), tx.init(init_params()))
+    with pytest.raises(TypeError, match=r"(?s)missing.*'value'.*transparent_update_fn\(\) takes "
+                       r"no value=.*Wrap the rejecting member"):  # fmt: skip
+        step(state, q, d)
+    # What it says to write works.
+    quiet = optax.GradientTransformationExtraArgs(
+        sam.init, lambda u, s, p=None, *, grad_fn=None, **_: sam.update(u, s, p, grad_fn=grad_fn)
+    )
+    tx = optax.chain(quiet, optax.contrib.reduce_on_plateau())
+    step = jax.jit(gc_jax.make_train_step(infonce, ENCODERS, 5, optimizer=tx))
+    _, metrics = step((init_params(), tx.init(init_params())), q, d)
+    assert bool(metrics["is_finite"])
+
+
 def test_sharded_jit_with_auto_axes_and_batch_axis():
     assert jax.device_count() >= 8, (
         "this test needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
