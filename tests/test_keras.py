@@ -220,9 +220,9 @@ def test_get_rep_returning_a_non_array_is_named(get_rep, got):
         jax.eval_shape(gc_jax.cached_value_and_grad(loss, encode, 4), params, q, d)
 
 
-def test_importing_gc_jax_imports_neither_keras_nor_equinox():
-    code = "import sys, gc_jax; print(sorted({'keras', 'equinox'} & set(sys.modules)))"
+def test_importing_gc_jax_does_not_import_keras():
+    code = "import sys, gc_jax; print('keras' in sys.modules)"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True, cwd=Path(__file__).parents[1])  # fmt: skip
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "False"
