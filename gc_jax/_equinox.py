@@ -126,7 +126,12 @@ def equinox_encoder(
       >>> value, grads = grad_fn(params, x, x)
       >>> trained = eqx.combine(params, eqx.partition(model, eqx.is_inexact_array)[1])
     """
-    import equinox as eqx
+    try:
+        import equinox as eqx
+    except ImportError as e:
+        raise ImportError(
+            f"equinox_encoder needs Equinox ({e}): pip install 'gc-jax[equinox]'."
+        ) from e
 
     name = f"equinox_encoder({type(model).__name__})"
     params, static = eqx.partition(model, filter_spec or eqx.is_inexact_array)

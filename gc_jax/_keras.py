@@ -10,6 +10,7 @@ chunk's key.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -27,7 +28,10 @@ _SEED_STATE = "seed_generator_state"  # the name Keras gives a SeedGenerator's v
 
 def _keras() -> Any:
     """Keras, checked to run on the JAX backend."""
-    import keras
+    try:
+        import keras
+    except ImportError as e:
+        raise ImportError(f"keras_encoder needs Keras 3 ({e}): pip install 'gc-jax[keras]'.") from e
 
     backend = keras.backend.backend()
     if backend != "jax":
@@ -79,6 +83,24 @@ def _state(variables: list[Any], given: Mapping[str, Any] | None, name: str) -> 
             "for v in model.non_trainable_variables}."
         )
     return dict(given)
+
+
+def _ordered(params: Any, variables: list[Any], name: str) -> list[Any]:
+    """The trainable values in ``model.trainable_variables`` order."""
+    try:
+        return [params[v.path] for v in variables]
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(
+            f"{name}: params must be the dict keras_encoder returned, keyed by "
+            f"variable.path (e.g. {variables[0].path!r}); got {type(params).__name__} "
+            f"({type(e).__name__}: {e})."
+        ) from e
+
+
+def _takes_training(model: Any) -> bool:
+    """Whether ``model.call`` takes ``training=`` (``stateless_call`` passes it on as is)."""
+    params = inspect.signature(model.call).parameters.values()
+    return any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _reseeded(values: list[Any], seeds: list[int], key: jax.Array) -> list[Any]:
@@ -187,13 +209,15 @@ def keras_encoder(
     trainable, rest = _trainable(model, name), list(model.non_trainable_variables)
     params, state = _by_path(trainable, name), _state(rest, non_trainable, name)
     seeds = [i for i, v in enumerate(rest) if v.name == _SEED_STATE]
+    takes_training = _takes_training(model)
 
     def encode(params, chunk, key):
         before = [jax.lax.stop_gradient(jnp.asarray(state[v.path], v.dtype)) for v in rest]
         values = before if key is None else _reseeded(before, seeds, key)
-        kwargs = {"training": key is not None, **call_kwargs}
+        kwargs = {"training": key is not None} if takes_training else {}
+        kwargs.update(call_kwargs)  # training= given there wins
         out, after = model.stateless_call(
-            [params[v.path] for v in trainable], values, chunk, **kwargs
+            _ordered(params, trainable, name), values, chunk, **kwargs
         )
         _check_not_updated(rest, seeds, values, after, name)
         return _validation.picked_rep(get_rep, out, name)

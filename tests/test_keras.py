@@ -192,6 +192,29 @@ def test_batch_norm_frozen_runs_on_moving_statistics_and_training_mode_raises():
     chex.assert_trees_all_close(encode(params, q, None), model(q), rtol=1e-5, atol=1e-6)
 
 
+class Scale(keras.layers.Layer):
+    """A subclassed layer whose ``call`` takes no ``training``."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[1:], initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+def test_subclassed_layer_and_call_kwargs():
+    layer, x, key = Scale(), jnp.ones((3, 6)), jax.random.key(0)
+    layer.build((None, 6))
+    encode, params = gc_jax.keras_encoder(layer)
+    chex.assert_trees_all_close(encode(params, x, key), x)
+    model = sequential_dropout_model()
+    encode, params = gc_jax.keras_encoder(model, training=False)  # no dropout, even with a key
+    chex.assert_trees_all_close(encode(params, x, key), model(x), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"params must be the dict keras_encoder returned.*"
+                       r"got list"):  # fmt: skip
+        encode([params], x, key)
+
+
 def test_bad_models_and_arguments_are_named(monkeypatch):
     unbuilt = keras.Sequential([keras.layers.Dense(3)])
     with pytest.raises(ValueError, match=r"no trainable variables \(it is not built.*keras.Input"):
