@@ -4,7 +4,7 @@ Equinox is an optional dependency (``pip install "gc-jax[equinox]"``), imported
 only when :func:`equinox_encoder` is called. The params are the model's floating
 point arrays (``eqx.partition(model, eqx.is_inexact_array)``); the rest of the
 model is static. Equinox models usually take one example, so by default the
-encoder ``vmap``\\ s the model over the chunk's rows, each row with its own key.
+encoder vmaps the model over the chunk's rows, each row with its own key.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ def _by_path(variables: list[Any], name: str) -> dict[str, jax.Array]:
         paths = sorted(p for p, n in Counter(v.path for v in variables).items() if n > 1)
         raise ValueError(
             f"{name}: several variables share the path(s) {paths}; the params are keyed "
-            "by variable.path. Give the layers distinct names (keras.layers.Dense(..., "
-            "name='...'))."
+            "by variable.path. Give the variables distinct names (layer.add_weight(..., "
+            "name='...')), or the layers (keras.layers.Dense(..., name='...'))."
         )
     return values
 

@@ -201,6 +201,15 @@ class Scale(keras.layers.Layer):
         return x * self.w
 
 
+class TwoWeights(keras.layers.Layer):
+    def build(self, input_shape):
+        self.a = self.add_weight(shape=input_shape[1:], name="w")
+        self.b = self.add_weight(shape=input_shape[1:], name="w")
+
+    def call(self, x):
+        return x * self.a * self.b
+
+
 def test_subclassed_layer_and_call_kwargs():
     layer, x, key = Scale(), jnp.ones((3, 6)), jax.random.key(0)
     layer.build((None, 6))
@@ -222,6 +231,10 @@ def test_bad_models_and_arguments_are_named(monkeypatch):
     frozen.trainable = False
     with pytest.raises(ValueError, match=r"no trainable variables \(every variable is frozen"):
         gc_jax.keras_encoder(frozen)
+    two = TwoWeights()
+    two.build((None, 6))
+    with pytest.raises(ValueError, match=r"share the path\(s\) \['two_weights/w'\].*add_weight"):
+        gc_jax.keras_encoder(two)
     with pytest.raises(TypeError, match=r"model must be a Keras 3 model or layer, got 'x'"):
         gc_jax.keras_encoder("x")
     with pytest.raises(ValueError, match=r"non_trainable must map every.*got \['a'\]"):
