@@ -104,8 +104,9 @@ def equinox_encoder(
         ``eqx.is_inexact_array``.
 
     Returns:
-      ``(encode, params)``: ``encode(params, chunk, key)`` for every gc_jax entry
-      point, and the params to train (the model's pytree, other leaves None). The
+      ``(encode, params)``: ``encode(params, chunk, key)`` for
+      ``cached_value_and_grad``, ``chunked_encoder``, ``make_train_step`` and
+      ``gc_jax.testing``, and the params to train (the model's pytree, other leaves None). The
       trained model is ``eqx.combine(params, eqx.partition(model, filter_spec)[1])``.
 
     Raises:

@@ -170,9 +170,10 @@ def keras_encoder(
       **call_kwargs: static keyword arguments for every call of the model.
 
     Returns:
-      ``(encode, params)``: ``encode(params, chunk, key)`` for every gc_jax entry
-      point, and ``params = {v.path: v.value for v in model.trainable_variables}``,
-      the values to train.
+      ``(encode, params)``: ``encode(params, chunk, key)`` for
+      ``cached_value_and_grad``, ``chunked_encoder``, ``make_train_step`` and
+      ``gc_jax.testing``, and the values to train, ``params = {v.path: v.value for
+      v in model.trainable_variables}``.
 
     Raises:
       ValueError: if Keras does not run on JAX, the model has no trainable
