@@ -12,9 +12,11 @@ from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._chunk_size import largest_chunk_size
 from gc_jax._distributed import global_loss
+from gc_jax._equinox import equinox_encoder
 from gc_jax._flax import linen_encoder
 from gc_jax._flax import nnx_encoder
 from gc_jax._grad_cache import GradCache
+from gc_jax._keras import keras_encoder
 from gc_jax._loss_scale import DynamicLossScale
 from gc_jax._token_chunks import TokenBudget
 from gc_jax._train_step import make_train_step
@@ -28,8 +30,10 @@ __all__ = [
     "cached_value_and_grad",
     "cachex",
     "chunked_encoder",
+    "equinox_encoder",
     "functional",
     "global_loss",
+    "keras_encoder",
     "largest_chunk_size",
     "linen_encoder",
     "losses",

@@ -256,3 +256,24 @@ def call_encoder(encode: Callable, params: PyTree, chunk: PyTree, key: Any, name
         if key is not None or "PRNG key" not in str(e):
             raise
         raise missing_key(name, e) from e
+
+
+def _structure(tree: PyTree) -> str:
+    """A model output in a message: its arrays' shapes in place of the arrays."""
+    shapes = jax.tree.map(lambda x: tuple(x.shape) if hasattr(x, "shape") else x, tree)
+    return repr(shapes)
+
+
+def picked_rep(get_rep: Callable[[Any], PyTree] | None, out: Any, name: str) -> PyTree:
+    """``get_rep(out)`` (``out`` if None), checked to be an array or a pytree of arrays."""
+    rep = out if get_rep is None else get_rep(out)
+    leaves = jax.tree.leaves(rep)
+    if leaves and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+        return rep
+    given = "the model" if get_rep is None else "get_rep"
+    raise TypeError(
+        f"{name}: {given} returned {_describe(rep)}, not an array or a pytree of arrays. "
+        f"The model's output is {_structure(out)}; pass get_rep= to pick the "
+        "representation out of it, e.g. get_rep=lambda out: out['pooled_output'] or "
+        "get_rep=lambda out: out[:, 0] (first token)."
+    )
