@@ -128,7 +128,8 @@ def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> 
     share = jnp.sum(per_row)
     if reduction == "mean":
         share = share / global_rows
-    return _distributed.global_loss(share, axis_name)
+    loss = _distributed.global_loss(share, axis_name)
+    return loss if axis_name is None else _distributed.backward_after(loss)
 
 
 def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
