@@ -109,33 +109,6 @@ def global_loss(local_share: jax.Array, axis_name: AxisName | None) -> jax.Array
     return local_share + jax.lax.stop_gradient(total - local_share)
 
 
-@jax.custom_vjp
-def backward_after(value: jax.Array) -> jax.Array:
-    """``value``, whose backward waits until ``value`` is computed.
-
-    A loss's backward does not depend on its value (the cotangent of a loss is 1), so
-    the compiler may start the backward's collectives (the ring's ``ppermute``\ s)
-    while the value's ``psum`` is still in flight. XLA:CPU in jaxlib 0.10 runs such
-    independent collectives concurrently and, in some runs, devices enter them in
-    different orders: they wait for each other and the process aborts (a rendezvous
-    timeout). Ordering the backward after the value removes the race; it costs nothing
-    the step did not already wait for.
-    """
-    return value
-
-
-def _backward_after_fwd(value):
-    return value, value
-
-
-def _backward_after_bwd(value, ct):
-    ct, _ = jax.lax.optimization_barrier((ct, value))
-    return (ct,)
-
-
-backward_after.defvjp(_backward_after_fwd, _backward_after_bwd)
-
-
 def varying_axes(x: jax.Array) -> tuple:
     """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
     aval = jax.typeof(x)

@@ -46,6 +46,21 @@ def _shift(v: jax.Array, axis_name: AxisName) -> jax.Array:
     return jax.lax.ppermute(v, axis_name, [(p, (p + 1) % size) for p in range(size)])
 
 
+def after(v: jax.Array, *deps: jax.Array) -> jax.Array:
+    """``v``, computed only once ``deps`` are: ``v + 0 * sum(deps)``.
+
+    Orders collectives that would otherwise be independent: the ring's last
+    ``ppermute`` before the scalars' gradient ``psum``, one ring of the clip loss
+    before the other. XLA:CPU in jaxlib 0.10 expands ``optimization_barrier`` away
+    before scheduling, runs independent collectives concurrently and keys them all
+    alike (``op_id=1``): devices entering two of them in different orders wait for
+    each other until the process aborts. ``x * 0`` is kept for floats (NaN and
+    infinity), so the dependency survives; it adds zero to finite values.
+    """
+    zero = sum(jnp.sum(d).astype(v.dtype) for d in deps) * jnp.zeros((), v.dtype)
+    return v + zero
+
+
 def _elsewhere(targets: jax.Array) -> jax.Array:
     """Targets for a block from another device: no column is any row's target."""
     return jnp.full_like(targets, -1)
@@ -103,6 +118,7 @@ def _backward(kind, block, axis_name, x, ys, targets, scale, bias, stat, g):
         state = step(size - 1, state, send=False)
     _, dys, (dx, dscale, dbias) = state
     dys = _shift(dys, axis_name) if size > 1 else dys  # home: the block's owner
+    dx, dscale, dbias = (after(v, dys) for v in (dx, dscale, dbias))
     return dx.astype(x.dtype), dys.astype(ys.dtype), dscale, dbias
 
 

@@ -128,8 +128,7 @@ def _reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> 
     share = jnp.sum(per_row)
     if reduction == "mean":
         share = share / global_rows
-    loss = _distributed.global_loss(share, axis_name)
-    return loss if axis_name is None else _distributed.backward_after(loss)
+    return _distributed.global_loss(share, axis_name)
 
 
 def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
@@ -342,6 +341,7 @@ def clip_loss(
         x_to_y = rows(x, y)
         if ring:  # one ring at a time, forward and backward (else both hold their buffers)
             x_to_y, x, y = jax.lax.optimization_barrier((x_to_y, x, y))
+            x, y = _ring.after(x, x_to_y), _ring.after(y, x_to_y)  # kept on XLA:CPU too
         per_row = (x_to_y + rows(y, x)) / 2
         return _reduce(per_row, len(x) * _num_devices(axis_name), reduction, axis_name)
 

@@ -331,3 +331,56 @@ def test_layout_is_read_once_per_kind():
         out_specs=P("d"),
     )(xs)
     assert kinds[-1] == _distributed.Layout("manual", "d", None, D)
+
+
+def _independent_collectives(hlo: str) -> list[tuple[str, str]]:
+    """Pairs of top-level collectives or loops of the compiled step that neither
+    depends on (XLA:CPU may run those concurrently)."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    operands = {}
+    for line in entry.splitlines()[1:]:
+        found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?[\w\-]+\((.*?)\)(?:,|$)", line)
+        if found:
+            operands[found[1]] = re.findall(r"%([\w.\-]+)", found[2])
+
+    @functools.cache
+    def ancestors(name):
+        return frozenset(operands.get(name, ())).union(
+            *(ancestors(o) for o in operands.get(name, ()))
+        )
+
+    ops = [n for n in operands if n.startswith(("while", "all-reduce", "ppermute"))]
+    return [
+        (a, b) for a in ops for b in ops
+        if a < b and a not in ancestors(b) and b not in ancestors(a)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", ["clip", "contrastive"])
+def test_ring_collectives_are_ordered_and_the_process_lives(loss):
+    """The ring losses under sharded jit: every collective ordered, exact, run again.
+
+    XLA:CPU in jaxlib 0.10 expands optimization barriers away, runs independent
+    collectives concurrently and keys them all alike (op_id=1): with the clip loss's
+    two rings side by side, or a ring's last ppermute beside the scalars' psum,
+    devices entered them in different orders and the process aborted on a
+    rendezvous timeout (4 of 6 runs of 4 calls). Now no two top-level collectives
+    (or loops holding them) of the compiled step are independent.
+    """
+    mesh = jax.make_mesh((8,), ("d",))
+    rows = jax.random.normal(jax.random.key(0), (2, 1024, 64))
+    x, y = (jax.device_put(r, NamedSharding(mesh, P("d"))) for r in rows)
+    fn = {
+        "clip": lambda x, y, t, m: losses.clip_loss(x, y, t, method=m, block_size=128),
+        "contrastive": lambda x, y, t, m: losses.contrastive_loss(
+            x, y, temperature=jnp.exp(t), method=m, block_size=128
+        ),
+    }[loss]
+    step = lambda m: jax.jit(jax.value_and_grad(lambda x, y, t: fn(x, y, t, m), (0, 1, 2)))
+    ring = step("ring")
+    hlo = ring.lower(x, y, 0.0).compile().as_text()
+    assert not _independent_collectives(hlo), _independent_collectives(hlo)
+    want = step("gather")(x, y, 0.0)
+    for _ in range(4):
+        got = jax.block_until_ready(ring(x, y, 0.0))
+    chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=1e-5, atol=1e-6)
