@@ -85,8 +85,28 @@ def _dense(ct: Any) -> Any:
     return np.zeros(ct.shape, jax.dtypes.float0)
 
 
+@jax.custom_jvp
+def _first_order_only(tree: PyTree) -> PyTree:
+    """``tree``; differentiating through it raises (a token budget's pass 2)."""
+    return tree
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise ValueError(
+        "chunked_encoder(encode, TokenBudget(...)) was differentiated twice (a gradient "
+        "of a gradient, a Hessian, jax.jacfwd of jax.grad): its pass 2 loops over each "
+        "bucket's chunks a number of times known only from the data, and JAX cannot "
+        "differentiate such a loop in reverse mode. Use an integer chunk_size (every "
+        "order of derivative works there), or compute higher derivatives on a batch "
+        "without the budget."
+    )
+
+
 def _bwd(config: _Config, residuals, ct):
     params, batch, key, wrt = residuals
+    if not isinstance(config.chunk_size, int):  # a TokenBudget: traced loop lengths
+        params, batch, ct = _first_order_only((params, batch, ct))
     inp = _input(config, params, batch, key, wrt.value)
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)

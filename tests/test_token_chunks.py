@@ -368,3 +368,16 @@ def test_lengths_callable():
     bad = gc_jax.TokenBudget(48, BUCKETS, lengths=lambda b: b["attention_mask"])
     with pytest.raises(ValueError, match=r"one integer length per row \(shape \(10,\)\)"):
         jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, bad))(params, q, d)
+
+
+def test_second_derivatives_through_a_budget_name_the_limit():
+    """A Hessian through ``chunked_encoder(enc, TokenBudget)`` is a named ValueError
+    (JAX cannot reverse-differentiate the budget's data-dependent loops); the first
+    derivative stays exact (``test_chunked_encoder_and_train_step``)."""
+    params, (q_enc, d_enc) = make_params(), towers(False)
+    q, d = text_batch(12, "bimodal", 31), text_batch(12, "uniform", 32)
+    enc_q, enc_d = (gc_jax.chunked_encoder(e, BUDGET) for e in (q_enc, d_enc))
+    grad = jax.grad(lambda p: loss_fn(p, enc_q(p, q), enc_d(p, d)))
+    second = lambda t: grad({**params, "log_temp": t})["q"]["out"].sum()
+    with pytest.raises(ValueError, match=r"differentiated twice.*integer chunk_size"):
+        jax.grad(second)(params["log_temp"])
