@@ -246,15 +246,15 @@ def cached_value_and_grad(
             raise ValueError("no inputs were given; expected at least one batch to encode.")
         _check_loss_call(loss_fn, len(inputs), loss_kwargs)
         _validation.axis_bound(axis_name)
-        _distributed.check_split_alike(
-            {f"inputs[{i}]": x for i, x in enumerate(inputs)}, _distributed.typed_axes(axis_name)
-        )
         _validation.rng_key(rng)
         _loss_scale.check_loss_scale(loss_scale)
         if rng is not None and axis_name is not None:  # distinct dropout on every device
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         pparams = _distributed.to_varying(params, axis_name)
         planned = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
+        _distributed.check_split_alike(  # after _inputs has checked every leaf is an array
+            {f"inputs[{i}]": x for i, x in enumerate(inputs)}, _distributed.typed_axes(axis_name)
+        )
         planned = _passes.per_device(planned, params)  # jit over a mesh: one all-reduce
         keep_all, keep_last = _kept_vjps(planned)
         reps, kept = (), []
