@@ -24,9 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax import _validation
+from gc_jax import _plan, _validation
 from gc_jax._base import PyTree
-from gc_jax._token_chunks import TokenBudget
 
 _GIB = 2**30
 # The HBM the TPU compiler offers one program per device (libtpu 0.0.42, measured
@@ -156,7 +155,7 @@ def _candidate(value: Any, i: int) -> int | tuple[int, ...]:
         return tuple(
             _validation.positive_int(v, f"candidates[{i}][{j}]") for j, v in enumerate(value)
         )
-    if isinstance(value, TokenBudget):
+    if _plan.by_tokens(value):
         raise TypeError(
             f"candidates[{i}] is a gc_jax.TokenBudget; largest_chunk_size orders candidates "
             "by rows, so pass chunk sizes in rows: positive ints, or tuples of them per input."

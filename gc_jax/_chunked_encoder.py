@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _chunking, _distributed, _passes, _validation
+from gc_jax import _distributed, _passes, _plan, _validation
 from gc_jax._base import PyTree
 
 
@@ -30,7 +30,7 @@ class _Config:
     """The static part of a call: what the custom VJP closes over."""
 
     encode: Callable[..., PyTree]
-    chunk_size: int
+    chunk_size: _plan.ChunkSize
     policy: Any
     batch_axis: Any
 
@@ -105,7 +105,7 @@ def _first_order_only_jvp(primals, tangents):
 
 def _bwd(config: _Config, residuals, ct):
     params, batch, key, wrt = residuals
-    if not isinstance(config.chunk_size, int):  # a TokenBudget: traced loop lengths
+    if _plan.by_tokens(config.chunk_size):  # loops as long as the data says
         params, batch, ct = _first_order_only((params, batch, ct))
     inp = _input(config, params, batch, key, wrt.value)
     ct = jax.tree.map(
@@ -138,8 +138,8 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
     # What encode sees: a chunk, or (per device) one device's rows of it.
     one_device = lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
     converted = {}
-    for c in _chunking.samples(plan):
-        chunk = jax.eval_shape(lambda b, c=c: _chunking.take(b, plan, c), batch)
+    for c in plan.samples():
+        chunk = jax.eval_shape(lambda b, c=c: plan.take(b, c), batch)
         chunk = chunk if shards == 1 else jax.tree.map(one_device, chunk)
         call = lambda p, x, k: _validation.call_encoder(config.encode, p, x, k, "encode")
         converted[shape(chunk)] = jax.closure_convert(call, params, chunk, key)
@@ -219,7 +219,7 @@ def chunked_encoder(
       True
     """
     _validation.callable_arg(encode, "encode")
-    chunk_size = _validation.chunk_size(chunk_size, "chunk_size")
+    chunk_size = _plan.check(chunk_size, "chunk_size")
     if policy is not None:
         _validation.callable_arg(policy, "policy")
     config = _Config(encode, chunk_size, policy, batch_axis)
@@ -229,7 +229,7 @@ def chunked_encoder(
         _validation.leading_size(batch, "batch")
         # Inside shard_map, parameters used with per-device rows are cast to vary
         # first: their gradient is then summed over devices by the cast's transpose.
-        params = _distributed.to_varying(params, _distributed.varying_axes_of(batch) or None)
+        params = _distributed.vary_like(params, batch)
         hoisted, params = _hoisted(config, params, batch, key)
         return _encode_batch(hoisted, params, batch, key)
 

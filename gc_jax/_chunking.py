@@ -18,26 +18,26 @@ an ``int32[B, 32]`` batch read chunk by chunk would be copied into a buffer 4x i
 size; viewed as ``[B / 4, 128]`` it is copied unpadded. On row-major backends (CPU,
 GPU) the view is free: the same bytes, read the same way.
 
-A plan of another kind (``gc_jax._token_chunks.TokenPlan``: chunks cut by a token
-budget) cuts itself: :func:`take`, :func:`put`, :func:`rows_of`,
-:func:`take_cotangent` and :func:`number` call its methods.
+:class:`ChunkPlan` is one kind of ``gc_jax._plan.Plan``; the other,
+``gc_jax._token_chunks.TokenPlan``, cuts chunks by a token budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed, _narrow
+from gc_jax import _keys, _layout, _narrow, _validation
 from gc_jax._base import PyTree
 
 
 class ChunkPlan(NamedTuple):
-    """How one input's batch is cut.
+    """How one input's batch is cut into chunks of rows (a :class:`gc_jax._plan.Plan`).
 
     Attributes:
       batch_size: total rows ``B``.
@@ -45,7 +45,9 @@ class ChunkPlan(NamedTuple):
       chunk_size: rows of each shard per chunk.
       num_body: number of full chunks before the tail.
       tail_size: rows of each shard in the tail chunk (``1..chunk_size``).
-      layout: how the rows lie across devices (``gc_jax._distributed.Layout``).
+      layout: how the rows lie across devices (``gc_jax._layout.Layout``).
+
+    A chunk index is a (traced) body index ``0 .. num_body - 1``, or None: the tail.
     """
 
     batch_size: int
@@ -53,11 +55,118 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
     num_body: int
     tail_size: int
-    layout: _distributed.Layout = _distributed.SINGLE
+    layout: _layout.Layout = _layout.SINGLE
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_body + 1
+
+    def _full_tail(self) -> bool:
+        """Whether the last chunk is as large as the others (chunk ``num_body`` is the tail)."""
+        return self.tail_size == self.chunk_size
+
+    def loops(self, keep_tail: bool) -> list[tuple[Callable[[Any], Any], int]]:
+        """The chunk loop ``(index of turn j, turns)``: the body chunks, and the tail too
+        when it is full-sized and not kept (one more turn of the loop)."""
+        looped = self.num_body + (not keep_tail and self._full_tail())
+        return [(lambda j: j, looped)] if looped else []
+
+    def has_tail(self, keep_tail: bool) -> bool:
+        """Whether the tail is encoded on its own, after the loop."""
+        return keep_tail or not self._full_tail()
+
+    def samples(self) -> list:
+        """One chunk index per distinct chunk shape: the tail and, if any, a full chunk."""
+        return [None, 0] if self.num_body else [None]
+
+    def rows_of(self, index: Any) -> int:
+        """Rows per shard of chunk ``index``."""
+        return self.tail_size if index is None else self.chunk_size
+
+    def number(self, index: Any) -> Any:
+        """Chunk ``index``'s number in the batch, folded into its key."""
+        return self.num_body if index is None else index
+
+    def _span(self, index: jax.Array | None) -> tuple[Any, int]:
+        """Start row (within each shard) and rows per shard of chunk ``index``."""
+        if index is None:
+            return self.num_body * self.chunk_size, self.tail_size
+        return index * self.chunk_size, self.chunk_size
+
+    def _shards(self, x: jax.Array) -> jax.Array:
+        return x.reshape(self.num_shards, -1, *x.shape[1:])
+
+    def pack(self, batch: PyTree, wrt: tuple[bool, ...]) -> PyTree:
+        """``batch`` with its narrow leaves (not differentiated) viewed as :class:`Lines`,
+        for the chunk reads of :meth:`take`."""
+        leaves, treedef = jax.tree.flatten(batch)
+
+        def one(x, w):
+            if w or not _packable(x, self):
+                return x
+            rows = self._shards(x).reshape(self.num_shards, -1, math.prod(x.shape[1:]))
+            reshape = self.layout.reshape
+            tpu, default = (lambda r: _lines_tpu(r, reshape)), (lambda r: _lines(r, reshape))
+            return Lines(jax.lax.platform_dependent(rows, tpu=tpu, default=default), x.shape)
+
+        return treedef.unflatten([one(x, w) for x, w in zip(leaves, wrt, strict=True)])
+
+    def take(self, tree: PyTree, index: jax.Array | None = None) -> PyTree:
+        """Chunk ``index`` of every leaf (a traced body index), or the tail if None."""
+        start, size = self._span(index)
+
+        def one(x):
+            if isinstance(x, Lines):  # whole lines of every shard: see pack
+                piece = jax.lax.dynamic_slice_in_dim(
+                    x.lines, start // x.per_line, size // x.per_line, axis=1
+                )
+                piece = self.layout.reshape(piece, (self.num_shards, size, *x.shape[1:]))
+                return piece.reshape(self.num_shards * size, *x.shape[1:])
+            piece = jax.lax.dynamic_slice_in_dim(self._shards(x), start, size, axis=1)
+            return piece.reshape(self.num_shards * size, *x.shape[1:])
+
+        return jax.tree.map(one, tree, is_leaf=_is_lines)
+
+    def take_cotangent(self, tree: PyTree, index: Any = None) -> PyTree:
+        """Chunk ``index`` of a representation gradient."""
+        return self.take(tree, index)
+
+    def put(self, buffer: PyTree, chunk: PyTree, index: jax.Array | None = None) -> PyTree:
+        """Writes ``chunk`` into the rows of chunk ``index`` (or the tail) of ``buffer``."""
+        start, size = self._span(index)
+
+        def write(buf, piece):
+            return jax.lax.dynamic_update_slice_in_dim(
+                self._shards(buf), piece, start, axis=1
+            ).reshape(buf.shape)
+
+        def one(buf, piece):
+            piece = piece.reshape(self.num_shards, size, *piece.shape[1:]).astype(buf.dtype)
+            if _narrow.is_narrow(buf):  # in place on CPU too (see gc_jax._narrow)
+                return _narrow.on_cpu_as_bits(write, buf, piece)
+            return write(buf, piece)
+
+        return jax.tree.map(one, buffer, chunk)
+
+    def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
+        """Checks that the tail and a full chunk (:meth:`samples`' order) give outputs of
+        one kind; returns the tail's."""
+        if len(shapes) > 1:
+            _validation.same_chunk_outputs(shapes[1], shapes[0], name)
+        return shapes[0]
+
+    def reference(self, encode, params: PyTree, batch: PyTree, key, trim: bool = True) -> PyTree:
+        """The batch encoded chunk by chunk with the chunks' keys, differentiably and
+        without a cache (the reference of ``gc_jax.testing``). ``trim``: token plans'."""
+        del trim  # row chunks are never trimmed
+        chunks = [*range(self.num_body), None]
+        key_of = lambda c: _keys.chunk_key(key, self.number(c))
+        parts = [encode(params, self.take(batch, c), key_of(c)) for c in chunks]
+        return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
 
 
 def make_plan(
-    batch_size: int, chunk_size: int, layout: _distributed.Layout = _distributed.SINGLE
+    batch_size: int, chunk_size: int, layout: _layout.Layout = _layout.SINGLE
 ) -> ChunkPlan:
     """Plans the chunks of a batch (sizes are validated by the caller)."""
     num_shards = layout.array_shards
@@ -66,21 +175,6 @@ def make_plan(
     num_chunks = -(-rows // chunk_size)
     tail = rows - (num_chunks - 1) * chunk_size
     return ChunkPlan(batch_size, num_shards, chunk_size, num_chunks - 1, tail, layout)
-
-
-def zeros(like: PyTree, plan: ChunkPlan, vma: tuple = ()) -> PyTree:
-    """A batch-sized buffer for chunks shaped like ``like``, sharded like the batch.
-
-    ``vma``: the ``shard_map`` axes the chunks written into it vary over.
-    """
-
-    def one(r):
-        buf = jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype)
-        if vma:
-            buf = jax.lax.pcast(buf, vma, to="varying")
-        return plan.layout.place(buf)
-
-    return jax.tree.map(one, like)
 
 
 LANES = 128  # a TPU vector register's minor dimension
@@ -114,26 +208,6 @@ def _packable(x: jax.Array, plan: ChunkPlan) -> bool:
     return not (plan.chunk_size % per_line or plan.tail_size % per_line)
 
 
-def pack(batch: PyTree, plan: ChunkPlan, wrt: tuple[bool, ...]) -> PyTree:
-    """``batch`` with its narrow leaves (not differentiated) viewed as :class:`Lines`.
-
-    Only for the chunk reads of :func:`take`; a plan of another kind keeps the batch.
-    """
-    if not isinstance(plan, ChunkPlan):
-        return batch
-    leaves, treedef = jax.tree.flatten(batch)
-
-    def one(x, w):
-        if w or not _packable(x, plan):
-            return x
-        rows = _shards(x, plan).reshape(plan.num_shards, -1, math.prod(x.shape[1:]))
-        reshape = plan.layout.reshape
-        tpu, default = (lambda r: _lines_tpu(r, reshape)), (lambda r: _lines(r, reshape))
-        return Lines(jax.lax.platform_dependent(rows, tpu=tpu, default=default), x.shape)
-
-    return treedef.unflatten([one(x, w) for x, w in zip(leaves, wrt, strict=True)])
-
-
 def _lines(x: jax.Array, reshape) -> jax.Array:
     """Each shard's rows ``[shards, n, w]`` as ``[shards, n // per_line, LANES]``: a free
     reshape of a row-major array (``reshape``: the layout's, keeping the shards split)."""
@@ -156,91 +230,3 @@ def _lines_tpu(x: jax.Array, reshape) -> jax.Array:
 
 def _is_lines(x: Any) -> bool:
     return isinstance(x, Lines)
-
-
-def _shards(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-    return x.reshape(plan.num_shards, -1, *x.shape[1:])
-
-
-def _span(plan: ChunkPlan, index: jax.Array | None) -> tuple[Any, int]:
-    """Start row (within each shard) and rows per shard of chunk ``index``; None: the tail."""
-    if index is None:
-        return plan.num_body * plan.chunk_size, plan.tail_size
-    return index * plan.chunk_size, plan.chunk_size
-
-
-def samples(plan: ChunkPlan) -> list:
-    """One chunk index per distinct chunk shape: the tail and, if any, a full chunk."""
-    if not isinstance(plan, ChunkPlan):  # one per bucket (gc_jax._token_chunks)
-        return plan.samples()
-    return [None, 0] if plan.num_body else [None]
-
-
-def rows_of(plan: ChunkPlan, index: Any) -> int:
-    """Rows per shard of chunk ``index`` (None: the tail)."""
-    if not isinstance(plan, ChunkPlan):  # another plan (gc_jax._token_chunks) cuts itself
-        return plan.rows_of(index)
-    return plan.tail_size if index is None else plan.chunk_size
-
-
-def take(tree: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
-    """Chunk ``index`` of every leaf (a traced body index), or the tail if None."""
-    if not isinstance(plan, ChunkPlan):
-        return plan.take(tree, index)
-    start, size = _span(plan, index)
-
-    def one(x):
-        if isinstance(x, Lines):  # whole lines of every shard: see pack
-            piece = jax.lax.dynamic_slice_in_dim(
-                x.lines, start // x.per_line, size // x.per_line, axis=1
-            )
-            piece = plan.layout.reshape(piece, (plan.num_shards, size, *x.shape[1:]))
-            return piece.reshape(plan.num_shards * size, *x.shape[1:])
-        piece = jax.lax.dynamic_slice_in_dim(_shards(x, plan), start, size, axis=1)
-        return piece.reshape(plan.num_shards * size, *x.shape[1:])
-
-    return jax.tree.map(one, tree, is_leaf=_is_lines)
-
-
-def put(buffer: PyTree, chunk: PyTree, plan: ChunkPlan, index: jax.Array | None = None) -> PyTree:
-    """Writes ``chunk`` into the rows of chunk ``index`` (or the tail) of ``buffer``."""
-    if not isinstance(plan, ChunkPlan):
-        return plan.put(buffer, chunk, index)
-    start, size = _span(plan, index)
-
-    def write(buf, piece):
-        return jax.lax.dynamic_update_slice_in_dim(
-            _shards(buf, plan), piece, start, axis=1
-        ).reshape(buf.shape)
-
-    def one(buf, piece):
-        piece = piece.reshape(plan.num_shards, size, *piece.shape[1:]).astype(buf.dtype)
-        if _narrow.is_narrow(buf):  # in place on CPU too (see gc_jax._narrow)
-            return _narrow.on_cpu_as_bits(write, buf, piece)
-        return write(buf, piece)
-
-    return jax.tree.map(one, buffer, chunk)
-
-
-def take_cotangent(tree: PyTree, plan: ChunkPlan, index: Any = None) -> PyTree:
-    """Chunk ``index`` of a representation gradient (zero on a plan's padding rows)."""
-    if not isinstance(plan, ChunkPlan):
-        return plan.take_cotangent(tree, index)
-    return take(tree, plan, index)
-
-
-def number(plan: ChunkPlan, index: Any) -> Any:
-    """Chunk ``index``'s number in the batch, folded into its key (the tail: ``num_body``)."""
-    if not isinstance(plan, ChunkPlan):
-        return plan.number(index)
-    return plan.num_body if index is None else index
-
-
-def input_key(rng: jax.Array | None, input_index: int) -> jax.Array | None:
-    """The key of input ``input_index``'s chunks: ``fold_in(rng, input_index)``; None stays None."""
-    return None if rng is None else jax.random.fold_in(rng, input_index)
-
-
-def chunk_key(rng: jax.Array | None, chunk_index) -> jax.Array | None:
-    """The key chunk ``chunk_index`` of an input with key ``rng`` gets, in both passes."""
-    return None if rng is None else jax.random.fold_in(rng, chunk_index)

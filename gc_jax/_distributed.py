@@ -8,26 +8,20 @@ representations already sums every device's contribution. A loss whose *value* i
 the global loss on every device (what users want to log) gets its gradient from
 :func:`global_loss`, which returns the global value and the local share's gradient.
 
-*Layout*: how a batch's rows lie across devices is decided here, once, as a
-:class:`Layout` (manual axes inside ``shard_map``/``pmap``, an explicit mesh read from
-the array types, an auto mesh named by ``batch_axis``, or a single device):
-:func:`layout_of` for a batch (carried in each input's chunk plan) and
-:func:`rows_layout` for a loss's rows; the chunking, the passes and the losses ask it.
+How the rows lie across devices is ``gc_jax._layout``'s: this module holds the
+collectives, their autodiff rules and the checks that the core and the loss agree on
+the axes they communicate over.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
+from gc_jax import _layout
 from gc_jax._base import AxisName, PyTree
+from gc_jax._layout import varying_axes, varying_axes_of
 
 
 def all_gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -109,21 +103,6 @@ def global_loss(local_share: jax.Array, axis_name: AxisName | None) -> jax.Array
     return local_share + jax.lax.stop_gradient(total - local_share)
 
 
-def varying_axes(x: jax.Array) -> tuple:
-    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:  # newer JAX keeps it under `manual_axis_type`
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-    return tuple(vma)
-
-
-def varying_axes_of(tree: PyTree) -> tuple:
-    """The manual mesh axes any leaf of ``tree`` varies over."""
-    axes = {a for leaf in jax.tree.leaves(tree) for a in varying_axes(leaf)}
-    return tuple(sorted(axes, key=str))
-
-
 def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     """Marks replicated values as per-device, so their cotangents are not all-reduced.
 
@@ -134,7 +113,7 @@ def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     """
     if axis_name is None:
         return tree
-    names = _names(axis_name)
+    names = _layout.names(axis_name)
 
     def cast(x):
         missing = tuple(n for n in names if n not in varying_axes(x))
@@ -143,333 +122,15 @@ def to_varying(tree: PyTree, axis_name: AxisName | None) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
-class Layout(NamedTuple):
-    """How a batch's rows lie across devices: decided here, once, and asked everywhere else.
+def vary_like(tree: PyTree, *others: PyTree) -> PyTree:
+    """``tree`` cast to vary over every ``shard_map`` axis any leaf of ``others`` varies
+    over: the one place where "vary like the inputs" is decided.
 
-    Attributes:
-      kind: ``"single"`` (one device, or auto mesh axes nobody named), ``"manual"``
-        (inside ``shard_map``/``pmap``: each device holds its rows; ``axes`` is the
-        ``axis_name``), ``"explicit"`` (``jit`` over explicit mesh axes: read from the
-        arrays' types) or ``"auto"`` (``jit`` over auto mesh axes: named by
-        ``batch_axis``, the mesh set with ``jax.set_mesh``).
-      axes: the axis name(s) the rows are split over (None when single).
-      mesh: the (abstract) mesh of the explicit and auto kinds.
-      shards: how many ways the rows are split.
+    A loop carry, a buffer written with per-device chunks, or parameters used with
+    per-device rows must have the type of what meets them; a replicated value cast so
+    gets its (summed) gradient through the cast's transpose.
     """
-
-    kind: str = "single"
-    axes: Any = None
-    mesh: Any = None
-    shards: int = 1
-
-    @property
-    def array_shards(self) -> int:
-        """Contiguous shards of the rows in one array as the program sees it.
-
-        ``shards`` under ``jit`` over a mesh; 1 for a single device and inside
-        ``shard_map``/``pmap``, where each device's program sees its own rows only.
-        """
-        return 1 if self.mesh is None else self.shards
-
-    @property
-    def sharding(self) -> NamedSharding | None:
-        """How a new batch-sized array is sharded under ``jit`` (None: not by gc_jax)."""
-        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec(self.axes))
-
-    def place(self, v: jax.Array, spec: PartitionSpec | None = None) -> jax.Array:
-        """``v`` laid out as ``spec`` (default: rows split like the batch) on the mesh.
-
-        Explicit axes: a ``reshard`` (the sharding is in the type); auto axes: a
-        sharding constraint; no mesh: ``v`` itself.
-        """
-        if self.mesh is None:
-            return v
-        sharding = NamedSharding(self.mesh, PartitionSpec(self.axes) if spec is None else spec)
-        if self.kind == "explicit":
-            return jax.sharding.reshard(v, sharding)
-        return jax.lax.with_sharding_constraint(v, sharding)
-
-    @property
-    def per_device(self) -> bool:
-        """Whether the rows are split over devices under ``jit`` (see :func:`stack`)."""
-        return self.mesh is not None and self.shards > 1
-
-    def stacked_spec(self, x: jax.Array, split: bool) -> PartitionSpec:
-        """Spec of ``x`` with a leading shard axis over ``axes`` (``split``: made from
-        ``x``'s rows). Other dims keep ``x``'s explicit sharding (model parallelism);
-        under auto axes the compiler chooses them."""
-        ndim = x.ndim - 1 if split else x.ndim
-        if self.kind == "explicit":
-            spec = (*typed_spec(x), *(None,) * x.ndim)[: x.ndim]
-            rest = spec[1:] if split else spec
-        else:
-            rest = (PartitionSpec.UNCONSTRAINED,) * ndim
-        return PartitionSpec(self.axes, *((None,) if split else ()), *rest)
-
-    def split(self, x: jax.Array) -> jax.Array:
-        """Rows ``[shards * n, ...]`` as ``[shards, n, ...]``: each device's rows, on it."""
-        return self.place(x.reshape(self.shards, -1, *x.shape[1:]), self.stacked_spec(x, True))
-
-    def stack(self, x: jax.Array) -> jax.Array:
-        """``x`` repeated along a new leading shard axis: each device holds its copy."""
-        stacked = jnp.broadcast_to(x[None], (self.shards, *x.shape))
-        return self.place(stacked, self.stacked_spec(x, False))
-
-    @property
-    def shards_sharding(self) -> NamedSharding | None:
-        """Under explicit axes, how an array with a leading shard axis is split (each
-        device its shard): an ``out_sharding`` JAX cannot infer for a scatter; else None."""
-        if self.kind != "explicit":
-            return None
-        return NamedSharding(self.mesh, PartitionSpec(self.axes))
-
-    def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-        """``x`` (leading axis: the shards) reshaped, the shards staying split over
-        ``axes`` (under explicit axes the output sharding must be stated)."""
-        if self.kind != "explicit":
-            return x.reshape(shape)
-        spec = PartitionSpec(self.axes, *(None,) * (len(shape) - 1))
-        return jax.lax.reshape(x, shape, out_sharding=NamedSharding(self.mesh, spec))
-
-    def rows_split(self, x: jax.Array) -> jax.Array:
-        """``x`` (rows first) with its rows split like the batch's in its type (explicit
-        axes), when its type lost that split (e.g. a ``pure_callback``'s result); other
-        dims keep their sharding. Anything else: ``x`` itself."""
-        spec = typed_spec(x)
-        if self.kind != "explicit" or self.shards == 1 or (spec and spec[0] == self.axes):
-            return x
-        rest = (*spec[1:], *(None,) * x.ndim)[: x.ndim - 1]
-        return jax.sharding.reshard(x, NamedSharding(self.mesh, PartitionSpec(self.axes, *rest)))
-
-    def shard_index(self) -> jax.Array:
-        """``[0, 1, ..., shards - 1]``, each device holding its own shard's number."""
-        return self.place(jnp.arange(self.shards), PartitionSpec(self.axes))
-
-
-SINGLE = Layout()
-
-
-def stackable(params: PyTree, layout: Layout) -> bool:
-    """Whether ``params`` can get a per-device copy along ``layout``'s axes: no leaf may
-    be sharded over them (FSDP) in its explicit type."""
-    names = set(_names(layout.axes))
-
-    def uses_batch_axes(p):
-        return any(set(_names(s)) & names for s in typed_spec(p) if s is not None)
-
-    return not any(uses_batch_axes(p) for p in jax.tree.leaves(params))
-
-
-def typed_spec(x: jax.Array) -> tuple:
-    """The partition spec in ``x``'s type (``jit`` over explicit mesh axes), else ``()``."""
-    return tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
-
-
-def reshard_typed(v: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """``v`` resharded to ``spec`` over the mesh in its type, if its type is sharded.
-
-    Under ``jit`` over explicit mesh axes the sharding is part of the type, with or
-    without ``jax.set_mesh``; the mesh is taken from there. Under auto axes (or
-    unsharded) the type has no sharding and ``v`` is returned as is.
-    """
-    current = typed_spec(v)
-    if not any(a is not None for a in current) or current == tuple(spec):
-        return v
-    return jax.sharding.reshard(v, NamedSharding(jax.typeof(v).sharding.mesh, spec))
-
-
-def typed_like(v: jax.Array, like: jax.Array) -> jax.Array:
-    """``v`` resharded to the explicit sharding in ``like``'s type, if they differ.
-
-    An accumulator a user (or ``jnp.zeros_like`` without a context mesh) made
-    unsharded meets gradients sharded like the parameters in a loop carry: both
-    must have one type.
-    """
-    spec = typed_spec(like)
-    if not any(a is not None for a in spec) or typed_spec(v) == spec:
-        return v
-    return jax.sharding.reshard(v, jax.typeof(like).sharding)
-
-
-def gathered_scoring(x: jax.Array, ys: jax.Array, whole_x: bool) -> tuple[jax.Array, jax.Array]:
-    """A loss's gather form under ``jit`` over explicit mesh axes: what each device needs.
-
-    Every device scores its rows of ``x`` (whole rows: an embedding dim sharded over
-    another axis is gathered) against all of ``ys``; with ``whole_x`` (the blockwise
-    loops) all of ``x`` too. Without explicit sharding this is a no-op.
-    """
-    rows = typed_spec(x)[:1] or (None,)
-    x = reshard_typed(x, PartitionSpec() if whole_x else PartitionSpec(rows[0], None))
-    return x, reshard_typed(ys, PartitionSpec())
-
-
-def typed_mesh(tree: PyTree) -> Any:
-    """The mesh in the types of ``tree``'s leaves (``jit`` over explicit axes), or None."""
-    for leaf in jax.tree.leaves(tree):
-        if not isinstance(leaf, jax.Array):  # e.g. an encoder in a NamedTuple
-            continue
-        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and any(s is not None for s in typed_spec(leaf)):
-            return mesh
-    return None
-
-
-def types_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under the mesh its arguments' types name, when no mesh is set.
-
-    Under ``jit`` over *explicit* mesh axes the sharding is part of each array's type,
-    and users need not call ``jax.set_mesh``. Since JAX 0.12 new arrays (``zeros_like``,
-    ``full``) are typed against the *context* mesh, so without one they come out
-    unsharded and clash with the sharded values they meet (a loop carry, an update).
-    Inside ``fn`` the context mesh is the one the arguments already live on, as if
-    the user had set it; with a mesh set, or no explicit sharding, nothing changes.
-    """
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        mesh = None
-        if jax.sharding.get_abstract_mesh().empty:
-            mesh = typed_mesh((args, kwargs))
-        if mesh is None:
-            return fn(*args, **kwargs)
-        with jax.sharding.use_abstract_mesh(mesh):
-            return fn(*args, **kwargs)
-
-    return run
-
-
-def _mesh_layout(mesh: Any, axes: Any) -> Layout:
-    names = _names(axes)
-    shards = math.prod(mesh.shape[a] for a in names)
-    explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-    return Layout("explicit" if explicit else "auto", axes, mesh, shards)
-
-
-def axis_layout(leaf: jax.Array, axis: int = 0) -> Layout | None:
-    """The layout of ``leaf``'s ``axis`` read from its type (explicit mesh axes), or None."""
-    spec = typed_spec(leaf)
-    if axis < len(spec) and spec[axis] is not None:
-        return _mesh_layout(jax.typeof(leaf).sharding.mesh, spec[axis])
-    return None
-
-
-def _with_leading(leaf: jax.Array, layout: Layout) -> jax.Array:
-    """``leaf`` resharded so that its leading axis is split like ``layout`` (a free slice)."""
-    spec = tuple(getattr(jax.typeof(leaf).sharding, "spec", ()) or ())
-    rest = spec[1:] + (None,) * (leaf.ndim - max(len(spec), 1))
-    return layout.place(leaf, PartitionSpec(layout.axes, *rest))
-
-
-def _is_bound(axis_name: AxisName) -> bool:
-    """Whether ``axis_name`` is an axis of an enclosing ``shard_map``/``pmap``/``vmap``."""
-    try:
-        jax.lax.axis_size(axis_name)
-    except NameError:
-        return False
-    return True
-
-
-_CONTEXT: list[Layout] = []
-
-
-@contextlib.contextmanager
-def batch_layout(layout: Layout) -> Iterator[None]:
-    """The layout the losses assume for rows whose types say nothing (auto mesh axes).
-
-    ``cached_value_and_grad`` (and the forms built on it) call the loss inside this,
-    with the layout of the batch they were given, so a loss called without
-    ``axis_name`` on the cached representations under auto axes and ``batch_axis``
-    knows how its rows are split (see :func:`rows_layout`).
-    """
-    _CONTEXT.append(layout)
-    try:
-        yield
-    finally:
-        _CONTEXT.pop()
-
-
-def rows_layout(x: jax.Array, axis_name: AxisName | None = None) -> Layout:
-    """How a loss's rows ``x`` lie across devices.
-
-    ``axis_name`` bound by ``shard_map``/``pmap``: manual. ``axis_name`` naming axes of
-    the mesh set with ``jax.set_mesh`` outside ``shard_map``: rows split over them,
-    under ``jit``. No ``axis_name``: explicit axes from ``x``'s type; else the layout
-    of the batch the core encoded (:func:`batch_layout`); else a single device.
-    """
-    if axis_name is not None:
-        if _is_bound(axis_name):
-            return Layout("manual", axis_name, None, jax.lax.axis_size(axis_name))
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or any(a not in mesh.axis_names for a in _names(axis_name)):
-            raise ValueError(
-                f"axis_name={axis_name!r} is neither an axis of an enclosing shard_map or "
-                f"pmap nor of the mesh set with jax.set_mesh (mesh axes: "
-                f"{() if mesh.empty else mesh.axis_names}). Call the loss inside "
-                "shard_map/pmap, or under `with jax.set_mesh(mesh):` with the batch's mesh "
-                "axes, or pass axis_name=None under jit over explicitly sharded rows."
-            )
-        return _mesh_layout(mesh, axis_name)
-    found = axis_layout(x)
-    if found is not None:
-        return found
-    if _CONTEXT and not varying_axes(x) and _CONTEXT[-1].mesh is not None:
-        return _CONTEXT[-1]
-    return SINGLE
-
-
-def layout_of(
-    tree: PyTree,
-    axis_name: AxisName | None = None,
-    batch_axis: AxisName | None = None,
-    name: str = "inputs",
-) -> tuple[PyTree, Layout]:
-    """How the leading axis of a batch ``tree`` is split, and the tree laid out so.
-
-    Inside ``pmap``/``shard_map`` (``axis_name`` given, or leaves varying over a manual
-    axis) every device holds its own rows: manual. Under plain ``jit`` explicit mesh
-    axes are read from the array types; leaves whose leading axis is replicated are
-    resharded like the sharded ones (each device keeps its slice), so every leaf is cut
-    the same way. Under auto axes the sharding is not in the type, so ``batch_axis``
-    names the mesh axes the batch is sharded over, looked up in the mesh set with
-    ``jax.set_mesh``.
-    """
-    if axis_name is not None or varying_axes_of(tree):
-        axes = axis_name if axis_name is not None else varying_axes_of(tree)
-        return tree, Layout("manual", axes, None, jax.lax.axis_size(axes))
-    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    found = {jax.tree_util.keystr(p): axis_layout(x) for p, x in paths_leaves}
-    sharded = {k: v for k, v in found.items() if v is not None}
-    if len({(v.mesh, _names(v.axes)) for v in sharded.values()}) > 1:
-        listing = ", ".join(f"{name}{k}: {v.axes!r}" for k, v in sharded.items())
-        raise ValueError(
-            f"the leaves of {name} are sharded over different mesh axes along the batch "
-            f"axis ({listing}); shard every leaf's leading axis the same way, e.g. with "
-            "jax.device_put(x, NamedSharding(mesh, P('data')))."
-        )
-    if sharded:
-        layout = next(iter(sharded.values()))
-        if len(sharded) < len(found):
-            fix = lambda x: x if axis_layout(x) is not None else _with_leading(x, layout)
-            tree = jax.tree.map(fix, tree)
-    elif batch_axis is not None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or any(a not in mesh.axis_names for a in _names(batch_axis)):
-            raise ValueError(
-                f"batch_axis={batch_axis!r} must name axes of the current mesh; got mesh "
-                f"axes {() if mesh.empty else mesh.axis_names}. Call under "
-                "`with jax.set_mesh(mesh):`."
-            )
-        layout = _mesh_layout(mesh, batch_axis)
-    else:
-        return tree, SINGLE
-    rows = paths_leaves[0][1].shape[0]
-    if rows % layout.shards:
-        raise ValueError(
-            f"{name} has {rows} rows, which the {layout.shards} shards of mesh axes "
-            f"{layout.axes!r} do not divide; use a batch size that is a multiple of "
-            f"{layout.shards}."
-        )
-    return tree, layout
+    return to_varying(tree, varying_axes_of(others) or None)
 
 
 def reduce_grads(grads: PyTree, axis_name: AxisName | None) -> PyTree:
@@ -481,14 +142,14 @@ def reduce_grads(grads: PyTree, axis_name: AxisName | None) -> PyTree:
 
 def replicated_loss(loss: jax.Array, axis_name: AxisName | None) -> jax.Array:
     """Returns the (already global) loss typed as replicated, for ``out_specs=P()``."""
-    varying = tuple(a for a in _names(axis_name) if a in varying_axes(loss))
+    varying = tuple(a for a in _layout.names(axis_name) if a in varying_axes(loss))
     return jax.lax.pmean(loss, varying) if varying else loss
 
 
 def typed_axes(axis_name: AxisName | None) -> AxisName | None:
     """``axis_name`` if values inside it carry varying types (``shard_map`` with
     ``check_vma=True``); None under ``pmap``, ``vmap``, ``check_vma=False`` or outside."""
-    if axis_name is None or not _is_bound(axis_name):
+    if axis_name is None or not _layout.is_bound(axis_name):
         return None
     return axis_name if varying_axes(jax.lax.axis_index(axis_name)) else None
 
@@ -505,7 +166,7 @@ def check_split_alike(sides: dict[str, PyTree], axis_name: AxisName | None) -> N
     ``pmap`` or ``check_vma=False`` values carry no such type and this cannot be seen.
     """
     varying = {name: set(varying_axes_of(v)) for name, v in sides.items()}
-    wanted = set(_names(axis_name)) | set().union(*varying.values())
+    wanted = set(_layout.names(axis_name)) | set().union(*varying.values())
     for name, axes in varying.items():
         missing = sorted(wanted - axes, key=str)
         if missing:
@@ -528,17 +189,11 @@ def untyped_manual_axes(axis_name: AxisName | None) -> tuple:
     Over such an axis JAX cannot tell whether the batch is split; under
     ``check_vma=True`` an axis's own index is typed as varying over it.
     """
-    named = set(_names(axis_name))
+    named = set(_layout.names(axis_name))
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
     return tuple(
         a for a in manual if a not in named and a not in varying_axes(jax.lax.axis_index(a))
     )
-
-
-def _names(axis_name: AxisName | None) -> tuple:
-    if axis_name is None:
-        return ()
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
 _COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "reduce_scatter", "ppermute", "all_to_all")
@@ -563,7 +218,7 @@ def collective_axes(jaxpr: Any) -> set:
                     continue  # its collectives run over the axes it binds itself
                 if any(c in eqn.primitive.name for c in _COLLECTIVES):
                     axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
-                    found.update(a for a in _names(axes) if not isinstance(a, int))
+                    found.update(a for a in _layout.names(axes) if not isinstance(a, int))
                 for param in eqn.params.values():
                     visit(param)
         elif isinstance(value, tuple | list):
@@ -580,7 +235,7 @@ def check_loss_axes(loss_axes: set, axis_name: AxisName | None, inputs_vary: tup
     ``loss_axes``: the axes the loss communicates over (:func:`collective_axes`);
     ``inputs_vary``: the ``shard_map`` axes the inputs vary over.
     """
-    names = set(_names(axis_name))
+    names = set(_layout.names(axis_name))
     if names and not loss_axes & names:
         raise ValueError(
             f"axis_name={axis_name!r} was given, but loss_fn communicates over no axis "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gc_jax import _flax, _validation, _value_and_grad
+from gc_jax import _flax, _plan, _validation, _value_and_grad
 from gc_jax._base import PyTree
 from gc_jax._token_chunks import TokenBudget
 
@@ -183,9 +183,9 @@ class GradCache:
             if not isinstance(m, nnx.Module):
                 raise TypeError(f"models[{i}] must be an nnx.Module, got {type(m).__name__}.")
         self.chunk_sizes = _validation.per_input(
-            chunk_sizes, len(self.models), "chunk_sizes", _validation.chunk_size, what="models"
+            chunk_sizes, len(self.models), "chunk_sizes", _plan.check, what="models"
         )
-        budgets = [i for i, c in enumerate(self.chunk_sizes) if isinstance(c, TokenBudget)]
+        budgets = [i for i, c in enumerate(self.chunk_sizes) if _plan.by_tokens(c)]
         if split_input_fn is not None and budgets:
             raise ValueError(
                 f"chunk_sizes[{budgets[0]}] is a TokenBudget, which cuts chunks by tokens, but "

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _chunking, _distributed, _narrow, _token_chunks, _validation
+from gc_jax import _distributed, _keys, _layout, _narrow, _plan, _validation
 from gc_jax._base import Encoder, PyTree
 
 
@@ -35,9 +35,9 @@ class Input(NamedTuple):
 
     Attributes:
       encode: ``encode(params, chunk, key) -> reps``.
-      batch: the batch pytree (leading axis: rows); narrow leaves are viewed as
-        ``_chunking.Lines``, read only through ``_chunking.take``.
-      plan: how the batch is cut into chunks.
+      batch: the batch pytree (leading axis: rows), packed by its plan
+        (``Plan.pack``): read only through ``plan.take``.
+      plan: how the batch is cut into chunks (``gc_jax._plan.Plan``).
       rng: chunk ``c`` is encoded with ``fold_in(rng, c)``; None: no key.
       wrt: one flag per leaf of ``batch``: whether pass 2 returns its gradient.
       policy: a ``jax.checkpoint`` policy for each chunk's re-encoding, or None.
@@ -48,7 +48,7 @@ class Input(NamedTuple):
 
     encode: Encoder
     batch: PyTree
-    plan: _chunking.ChunkPlan
+    plan: _plan.Plan
     rng: jax.Array | None
     wrt: tuple[bool, ...] = ()
     policy: Any = None
@@ -67,21 +67,13 @@ def wide(dtype: Any) -> Any:
 
 
 def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=None,
-               batch_axis=None, wrt=(), policy=None) -> Input:  # fmt: skip
-    """Validates ``batch`` and plans its chunks.
-
-    Inside ``pmap``/``shard_map`` (``axis_name`` given, or a batch that varies over a
-    manual axis) the batch holds this device's rows; under plain ``jit`` a batch
-    sharded over the mesh is cut so that every device encodes its rows of every chunk.
-    """
-    rows = _validation.leading_size(batch, batch_name)
-    batch, layout = _distributed.layout_of(batch, axis_name, batch_axis, batch_name)
-    if isinstance(chunk_size, _token_chunks.TokenBudget):
-        plan = _token_chunks.make_plan(batch, chunk_size, batch_name, layout)
-    else:
-        plan = _chunking.make_plan(rows, chunk_size, layout)
+               batch_axis=None, index=None, wrt=(), policy=None) -> Input:  # fmt: skip
+    """Validates ``batch`` and plans its chunks (``gc_jax._plan.make``: the layout, the
+    plan and the key of input ``index``)."""
+    where = {"axis_name": axis_name, "batch_axis": batch_axis}
+    batch, plan, key = _plan.make(batch, chunk_size, rng=rng, index=index, name=batch_name, **where)
     wrt = tuple(wrt) or (False,) * len(jax.tree.leaves(batch))
-    return Input(encode, _chunking.pack(batch, plan, wrt), plan, rng, wrt, policy, name)
+    return Input(encode, plan.pack(batch, wrt), plan, key, wrt, policy, name)
 
 
 def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
@@ -91,7 +83,7 @@ def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
     gradient is a sum over all of them, which the compiler all-reduces chunk by chunk
     (or once per loop and per input). Encoded *per device* (``vmap`` over the shards,
     with each device's own copy of the parameters: :meth:`Layout.stack
-    <gc_jax._distributed.Layout.stack>`), every chunk's gradient stays on its device,
+    <gc_jax._layout.Layout.stack>`), every chunk's gradient stays on its device,
     and the step all-reduces once. Device ``s``'s rows of chunk ``c`` get the key
     ``fold_in(key_c, s)``, in both passes.
 
@@ -102,7 +94,7 @@ def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
     """
     layouts = {(inp.plan.layout.mesh, inp.plan.layout.axes) for inp in inputs}
     layout = inputs[0].plan.layout
-    if len(layouts) > 1 or not layout.per_device or not _distributed.stackable(params, layout):
+    if len(layouts) > 1 or not layout.per_device or not _layout.stackable(params, layout):
         return inputs
     chosen = [inp._replace(per_device=True) for inp in inputs]
     for inp in chosen:
@@ -121,28 +113,8 @@ def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
     return chosen
 
 
-def _full_tail(plan: _chunking.ChunkPlan) -> bool:
-    """Whether the last chunk is as large as the others (chunk ``num_body`` is the tail)."""
-    return plan.tail_size == plan.chunk_size
-
-
-def _loops(plan, keep_tail: bool) -> list[tuple[Callable[[Any], Any], Any]]:
-    """The chunk loops: ``(index of turn j, number of turns)``; the tail is not in them
-    unless it is full-sized and not kept. A token plan has one loop per bucket, with a
-    traced number of turns, and no tail."""
-    if not isinstance(plan, _chunking.ChunkPlan):
-        return plan.loops()
-    looped = plan.num_body + (not keep_tail and _full_tail(plan))
-    return [(lambda j: j, looped)] if looped else []
-
-
-def _has_tail(plan, keep_tail: bool) -> bool:
-    """Whether the tail is encoded on its own, after the loops."""
-    return isinstance(plan, _chunking.ChunkPlan) and (keep_tail or not _full_tail(plan))
-
-
 def _key(inp: Input, c) -> jax.Array | None:
-    return _chunking.chunk_key(inp.rng, _chunking.number(inp.plan, c))
+    return _keys.chunk_key(inp.rng, inp.plan.number(c))
 
 
 def _differentiated(tree: PyTree, wrt: tuple[bool, ...]) -> list:
@@ -169,7 +141,7 @@ def _encoder(
         encode = jax.checkpoint(encode, policy=inp.policy)
 
     def f(params, diff):
-        chunk = _chunking.take(inp.batch, inp.plan, c)
+        chunk = inp.plan.take(inp.batch, c)
         if any(inp.wrt):
             chunk = _replace(chunk, inp.wrt, diff)
         if inp.per_device:
@@ -177,7 +149,7 @@ def _encoder(
         else:
             reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
             reps = jax.tree.map(inp.plan.layout.rows_split, reps)
-        _validation.rows(reps, inp.plan.num_shards * _chunking.rows_of(inp.plan, c), inp.name)
+        _validation.rows(reps, inp.plan.num_shards * inp.plan.rows_of(c), inp.name)
         return reps
 
     return f
@@ -188,7 +160,7 @@ def _encode_per_device(inp: Input, encode, params, chunk, key, stacked: bool) ->
     layout = inp.plan.layout
 
     def one(p, rows, s):
-        k = None if key is None else jax.random.fold_in(key, s)
+        k = _keys.device_key(key, s)
         return _validation.call_encoder(encode, p, rows, k, inp.name)
 
     shards = jax.tree.map(layout.split, chunk)
@@ -200,21 +172,13 @@ def _encode_per_device(inp: Input, encode, params, chunk, key, stacked: bool) ->
 def _diff(inp: Input, c) -> list:
     if not any(inp.wrt):
         return []
-    return _differentiated(_chunking.take(inp.batch, inp.plan, c), inp.wrt)
+    return _differentiated(inp.plan.take(inp.batch, c), inp.wrt)
 
 
 def output_shapes(inp: Input, params: PyTree) -> PyTree:
     """Shapes and dtypes of one chunk's representations, the same for every chunk."""
-    if not isinstance(inp.plan, _chunking.ChunkPlan):
-        shapes = [
-            jax.eval_shape(_encoder(inp, c), params, _diff(inp, c)) for c in inp.plan.samples()
-        ]
-        return inp.plan.same_outputs(shapes, inp.name)
-    tail = jax.eval_shape(_encoder(inp, None), params, _diff(inp, None))
-    if inp.plan.num_body:
-        body = jax.eval_shape(_encoder(inp, 0), params, _diff(inp, 0))
-        _validation.same_chunk_outputs(body, tail, inp.name)
-    return tail
+    shapes = [jax.eval_shape(_encoder(inp, c), params, _diff(inp, c)) for c in inp.plan.samples()]
+    return inp.plan.same_outputs(shapes, inp.name)
 
 
 def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
@@ -225,7 +189,7 @@ def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
     return jax.tree.map(one, shapes)
 
 
-@_distributed.types_mesh
+@_layout.types_mesh
 def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype: Any = None,
             after: PyTree | None = ()) -> tuple[PyTree, Any]:  # fmt: skip
     """Pass 1: the batch's representations, and the tail's VJP if ``keep_tail``.
@@ -238,16 +202,14 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
     full batch (a barrier there costs memory: 11 % with three inputs on JAX 0.12).
     """
     like = _cache_like(output_shapes(inp, params), cache_dtype)
-    vma = _distributed.varying_axes_of((params, inp.batch))
-    cache = _chunking.zeros(like, inp.plan, vma)
-    # A full-sized tail that is not kept is just one more turn of the loop.
-    for index, turns in _loops(inp.plan, keep_tail):  # in place: no stacked copy
-        body = lambda j, cache, index=index: _chunking.put(
-            cache, _encoder(inp, index(j))(params, _diff(inp, index(j))), inp.plan, index(j)
+    cache = _zeros(like, inp.plan, params, inp.batch)
+    for index, turns in inp.plan.loops(keep_tail):  # in place: no stacked copy
+        body = lambda j, cache, index=index: inp.plan.put(
+            cache, _encoder(inp, index(j))(params, _diff(inp, index(j))), index(j)
         )
         cache = jax.lax.fori_loop(0, turns, body, cache)
     if not keep_tail:
-        if not _has_tail(inp.plan, keep_tail):
+        if not inp.plan.has_tail(keep_tail):
             return cache, None
         return _put_tail(cache, _encoder(inp, None)(params, _diff(inp, None)), inp.plan), None
     # The barrier orders the kept chunk's forward after all other pass-1 work.
@@ -261,20 +223,31 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
     return _put_tail(cache, reps, inp.plan), vjp
 
 
-def _put_tail(cache: PyTree, reps: PyTree, plan: _chunking.ChunkPlan) -> PyTree:
+def _put_tail(cache: PyTree, reps: PyTree, plan: _plan.Plan) -> PyTree:
     """``cache`` with the tail's ``reps`` written in, in place (no batch-sized copy)."""
-    return _narrow.update_in_place(lambda cache: _chunking.put(cache, reps, plan), cache)
+    return _narrow.update_in_place(lambda cache: plan.put(cache, reps, None), cache)
+
+
+def _zeros(like: PyTree, plan: _plan.Plan, *vary_like: PyTree) -> PyTree:
+    """A batch-sized buffer for chunks shaped like ``like``, laid out like the batch and
+    varying like ``vary_like`` (the shard_map axes the chunks written into it vary over)."""
+
+    def one(r):
+        buf = jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype)
+        return plan.layout.place(_distributed.vary_like(buf, *vary_like))
+
+    return jax.tree.map(one, like)
 
 
 def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
     """Chunk ``c``'s slice of the representation gradient, typed like the encoder's output."""
 
-    rows = plan.num_shards * _chunking.rows_of(plan, c)
+    rows = plan.num_shards * plan.rows_of(c)
 
     def one(g, r):
         if not is_inexact(r):  # integer/boolean outputs: a float0 zero cotangent
             return np.zeros((rows, *r.shape[1:]), jax.dtypes.float0)
-        return _chunking.take_cotangent(g, plan, c).astype(r.dtype)
+        return plan.take_cotangent(g, c).astype(r.dtype)
 
     return jax.tree.map(one, rep_grad, shapes)
 
@@ -314,13 +287,13 @@ def _pullback(inp: Input, shapes: PyTree, rep_grad: PyTree, c, vjp=None):
     def step(params, dx):
         pull = vjp or jax.vjp(_encoder(inp, c, True, inp.per_device), params, _diff(inp, c))[1]
         g_params, g_x = pull(_cotangent(rep_grad, shapes, inp.plan, c))
-        dx = [_chunking.put(b, x, inp.plan, c) for b, x in zip(dx, g_x, strict=True)]
+        dx = [inp.plan.put(b, x, c) for b, x in zip(dx, g_x, strict=True)]
         return g_params, dx
 
     return step
 
 
-@_distributed.types_mesh
+@_layout.types_mesh
 def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, *,
              tail_vjps: list | None = None) -> tuple[PyTree, list[list]]:  # fmt: skip
     """Pass 2 of every input: ``acc`` plus every chunk's parameter gradient.
@@ -338,7 +311,7 @@ def backward(inputs: list[Input], params: PyTree, rep_grads: list, acc: PyTree, 
       ``(acc, batch_grads)``: ``batch_grads[i]`` lists the gradients of the
       differentiated leaves of input ``i``'s batch (``inputs[i].wrt``).
     """
-    acc = jax.tree.map(_distributed.typed_like, acc, params)  # the gradients' own type
+    acc = jax.tree.map(_layout.typed_like, acc, params)  # the gradients' own type
     if not inputs[0].per_device:
         return _backward(inputs, params, params, rep_grads, acc, tail_vjps)
     stack = inputs[0].plan.layout.stack
@@ -361,8 +334,8 @@ def _backward(inputs, params, own, rep_grads, acc, tail_vjps):
             pull = _pullback(inp, shapes[i], rep_grads[i], None, vjp)
             grads, dxs = _for_input(i, pull, acc)(params, dxs)
             acc = _add(acc, grads)
-        pieces += [(i, index, turns) for index, turns in _loops(inp.plan, vjp is not None)]
-        if vjp is None and _has_tail(inp.plan, False):
+        pieces += [(i, index, turns) for index, turns in inp.plan.loops(vjp is not None)]
+        if vjp is None and inp.plan.has_tail(False):
             pieces.append((i, lambda j: None, 1))
     if not pieces:
         return acc, dxs

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gc_jax import _token_chunks
+from gc_jax import _layout
 from gc_jax._base import PyTree
 
 
@@ -25,11 +25,6 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def chunk_size(value: Any, name: str) -> int | _token_chunks.TokenBudget:
-    """A ``chunk_size``: a positive int (rows) or a :class:`gc_jax.TokenBudget`."""
-    return value if isinstance(value, _token_chunks.TokenBudget) else positive_int(value, name)
-
-
 def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str], Any], *,
               what: str = "inputs") -> tuple:  # fmt: skip
     """Broadcasts a single setting to every input, or checks a per-input sequence.
@@ -44,17 +39,6 @@ def per_input(value: Any, num_inputs: int, name: str, check: Callable[[Any, str]
             )
         return tuple(check(v, f"{name}[{i}]") for i, v in enumerate(value))
     return (check(value, name),) * num_inputs
-
-
-def chunk_sizes(value: Any) -> int | _token_chunks.TokenBudget | tuple:
-    """``chunk_size`` checked once, up front: one (int or TokenBudget), or a tuple of them."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if not value:
-            raise ValueError(
-                "chunk_size is an empty sequence; expected one positive int per input."
-            )
-        return tuple(chunk_size(v, f"chunk_size[{i}]") for i, v in enumerate(value))
-    return chunk_size(value, "chunk_size")
 
 
 def float_dtype(value: Any, name: str) -> Any:
@@ -197,16 +181,13 @@ def scalar_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
 
 def axis_bound(axis_name: Any, name: str = "axis_name") -> None:
     """Raises a ValueError unless ``axis_name`` is bound by pmap/shard_map here."""
-    if axis_name is None:
+    if axis_name is None or _layout.is_bound(axis_name):
         return
-    try:
-        jax.lax.axis_size(axis_name)
-    except NameError as e:
-        raise ValueError(
-            f"{name}={axis_name!r} is not bound here: call this inside jax.pmap(..., "
-            f"axis_name={axis_name!r}) or jax.shard_map over a mesh with that axis, or pass "
-            f"{name}=None under plain jax.jit."
-        ) from e
+    raise ValueError(
+        f"{name}={axis_name!r} is not bound here: call this inside jax.pmap(..., "
+        f"axis_name={axis_name!r}) or jax.shard_map over a mesh with that axis, or pass "
+        f"{name}=None under plain jax.jit."
+    )
 
 
 def rng_key(rng: Any, name: str = "rng") -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _chunking, _distributed, _loss_scale, _passes, _validation
+from gc_jax import _distributed, _layout, _loss_scale, _passes, _plan, _validation
 from gc_jax._base import Encoder, PyTree
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
@@ -231,10 +231,10 @@ def cached_value_and_grad(
     _validation.callable_arg(loss_fn, "loss_fn")
     _check_loss_keywords(loss_fn)
     encoders = _encoders(encoders)
-    chunk_size = _validation.chunk_sizes(chunk_size)
+    chunk_size = _plan.check_all(chunk_size)
     cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
 
-    @_distributed.types_mesh
+    @_layout.types_mesh
     def value_and_grad_fn(
         params: PyTree,
         *inputs: PyTree,
@@ -248,10 +248,11 @@ def cached_value_and_grad(
         _validation.axis_bound(axis_name)
         _validation.rng_key(rng)
         _loss_scale.check_loss_scale(loss_scale)
-        if rng is not None and axis_name is not None:  # distinct dropout on every device
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-        pparams = _distributed.to_varying(params, axis_name)
         planned = _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis)
+        # Manual axes (shard_map, pmap): the parameters vary per device, each chunk's
+        # gradient stays local, and the step sums them once at the end.
+        manual = planned[0].plan.layout.manual_axes
+        pparams = _distributed.to_varying(params, manual)
         _distributed.check_split_alike(  # after _inputs has checked every leaf is an array
             {f"inputs[{i}]": x for i, x in enumerate(inputs)}, _distributed.typed_axes(axis_name)
         )
@@ -268,7 +269,7 @@ def cached_value_and_grad(
             reps += (cache,)
             kept.append(vjp)
 
-        with _distributed.batch_layout(planned[0].plan.layout):  # for losses under auto axes
+        with _layout.batch_layout(planned[0].plan.layout):  # for losses under auto axes
             loss, aux, acc, rep_grads = _loss_and_rep_grads(
                 loss_fn, has_aux, pparams, reps, loss_scale, axis_name, inputs, loss_kwargs
             )
@@ -277,9 +278,9 @@ def cached_value_and_grad(
         acc, _ = _passes.backward(planned, pparams, list(rep_grads), acc, tail_vjps=kept)
         loss, acc = _loss_scale.unscale(loss, acc, loss_scale)
         grads = jax.tree.map(
-            lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, axis_name), params
+            lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, manual), params
         )
-        loss = _distributed.replicated_loss(loss, axis_name)
+        loss = _distributed.replicated_loss(loss, manual)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn
@@ -295,14 +296,15 @@ def _kept_vjps(inputs: list[_passes.Input]) -> tuple[bool, bool]:
     encoding with its first (common-subexpression elimination), which keeps the
     chunk's activations from pass 1 next to the kept ones.
     """
-    if not all(isinstance(inp.plan, _chunking.ChunkPlan) for inp in inputs):
-        return False, False  # token-budget chunks: traced chunk counts, nothing kept
-    chunks = sum(inp.plan.num_body + 1 for inp in inputs)
+    counts = [inp.plan.num_chunks for inp in inputs]
+    if None in counts:
+        return False, False  # chunk counts the data decides (token budgets): nothing kept
+    chunks = sum(counts)
     return chunks == len(inputs), chunks >= 3
 
 
 def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_passes.Input]:
-    """One planned :class:`_passes.Input` per batch; input ``i``'s keys fold in ``i`` first."""
+    """One planned :class:`_passes.Input` per batch (input ``i``'s key: ``gc_jax._keys``)."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
     sizes = _validation.per_input(chunk_size, n, "chunk_size", lambda size, _: size)
@@ -311,7 +313,8 @@ def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_p
             e,
             x,
             size,
-            _chunking.input_key(rng, i),
+            rng,
+            index=i,
             name=f"encoders[{i}]" if isinstance(encoders, tuple) else "encoder",
             batch_name=f"inputs[{i}]",
             axis_name=axis_name,

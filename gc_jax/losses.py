@@ -11,7 +11,7 @@ gradients are this device's rows of the global gradient, and a replicated scalar
 rows' types (explicit mesh axes); under auto mesh axes pass ``axis_name`` naming the
 batch's mesh axis (with ``jax.set_mesh``), or nothing inside ``cached_value_and_grad``
 / ``make_train_step`` with ``batch_axis``, which tell the loss (see
-``gc_jax._distributed.rows_layout``).
+``gc_jax._layout.rows_layout``).
 
 *Two forms across devices* (``method=``):
 
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gc_jax import _blockwise, _distributed, _ring, _validation
+from gc_jax import _blockwise, _distributed, _layout, _ring, _validation
 from gc_jax._base import AxisName
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -145,7 +145,7 @@ def _rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
         return _ring.rows(kind, x, y, jnp.arange(n) * k, scale, bias, block, axis_name)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
-    x, ys = _distributed.gathered_scoring(x, ys, whole_x=block_size is not None)
+    x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
         return _blockwise._call(kind, x, ys, targets, scale, bias, block_size)
     logits = _logits(x, ys, scale, bias)
@@ -159,14 +159,14 @@ def _rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
     return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
 
 
-def _use_ring(method: str, layout: _distributed.Layout, gathered: int) -> bool:
+def _use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:
     """The automatic rule: the ring once the gathered side would exceed ``_GATHER_BYTES``."""
     if method != "auto":
         return method == "ring"
     return layout.shards > 1 and gathered > _GATHER_BYTES
 
 
-@_distributed.types_mesh
+@_layout.types_mesh
 def _run(local, x, y, scalars, *, reduction, method, axis_name, sides):
     """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
 
@@ -176,7 +176,7 @@ def _run(local, x, y, scalars, *, reduction, method, axis_name, sides):
     ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
     """
     _distributed.check_split_alike({"x": x, "y": y}, _distributed.typed_axes(axis_name))
-    layout = _distributed.rows_layout(x, axis_name)
+    layout = _layout.rows_layout(x, axis_name)
     here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
     gathered = layout.shards * here  # what every device would hold in the gather form
     ring = _use_ring(method, layout, gathered)

@@ -14,9 +14,8 @@ from typing import Any
 
 import chex
 import jax
-import jax.numpy as jnp
 
-from gc_jax import _chunking, _token_chunks, _validation
+from gc_jax import _plan, _validation
 from gc_jax._base import PyTree
 from gc_jax._token_chunks import TokenBudget
 
@@ -26,54 +25,15 @@ def _full_batch_reps(encode, params, x, chunk_size, rng, index):
     gc_jax's keys so dropout draws the same masks (without one, all rows at once)."""
     if rng is None:
         return encode(params, x, None)
-    key = _chunking.input_key(rng, index)
-    if isinstance(chunk_size, _token_chunks.TokenBudget):
-        return _budget_reps(encode, params, x, chunk_size, key, index)
-    batch = _validation.leading_size(x, f"inputs[{index}]")
-    parts = [
-        encode(
-            params,
-            jax.tree.map(lambda v, s=start: v[s : s + chunk_size], x),
-            _chunking.chunk_key(key, c),
-        )
-        for c, start in enumerate(range(0, batch, chunk_size))
-    ]
-    return jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+    return _chunk_reps(encode, params, x, chunk_size, rng, index)
 
 
-def _budget_reps(encode, params, x, budget, key, index, trim=True):
-    """Every chunk a token budget can cut (its rows, trimmed length and key as gc_jax
-    has them; the lengths are traced, so a bucket's unused turns are encoded too and
-    write no row), scattered back to the batch's order, differentiably.
-
-    One ``lax.scan`` per bucket: its turns compile once, so the reference compiles
-    about as fast as the cached step (unrolled, a 6-bucket budget at 64 rows took 18x).
-    ``trim=False``: the same chunks and keys, at the batch's padded length.
-    """
-    plan = _token_chunks.make_plan(x, budget, f"inputs[{index}]")
-    if not trim:
-        plan = plan._replace(lengths=(plan.padded,) * len(plan.lengths))
-    out = None
-    for bucket, size in enumerate(plan.rows):
-
-        def turn(out, t, bucket=bucket):
-            chunk = _token_chunks.BucketChunk(bucket, t)
-            chunk_key = _chunking.chunk_key(key, plan.number(chunk))
-            reps = encode(params, plan.take(x, chunk), chunk_key)
-            rows, valid = plan.where(chunk)
-            rows = jnp.where(valid, rows, plan.batch_size).reshape(-1)  # invalid: dropped
-            if out is None:  # shapes only (eval_shape)
-                return reps
-            put = lambda o, r: o.at[rows].set(r.astype(o.dtype), mode="drop")
-            return jax.tree.map(put, out, reps), None
-
-        if out is None:
-            shapes = jax.eval_shape(turn, None, jnp.int32(0))
-            out = jax.tree.map(
-                lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype), shapes
-            )
-        out, _ = jax.lax.scan(turn, out, jnp.arange(-(-plan.batch_size // size)))
-    return out
+def _chunk_reps(encode, params, x, chunk_size, rng, index, trim=True):
+    """The batch encoded in the chunks gc_jax cuts on one device (token chunks trimmed,
+    unless not ``trim``), with their keys, differentiably (``Plan.reference``)."""
+    name = f"inputs[{index}]"
+    _, plan, key = _plan.make(x, chunk_size, rng=rng, index=index, name=name, one_device=True)
+    return plan.reference(encode, params, x, key, trim)
 
 
 def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
@@ -81,12 +41,12 @@ def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
     trimmed to their bucket than at the padded length (same rows, no key)."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-    sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.chunk_size)
+    sizes = _validation.per_input(chunk_size, n, "chunk_size", _plan.check)
     for i, (e, x, s) in enumerate(zip(encs, inputs, sizes, strict=True)):
-        if not isinstance(s, TokenBudget):
+        if not _plan.by_tokens(s):  # only token budgets trim rows
             continue
         both = jax.jit(lambda p, x, e=e, s=s, i=i: [
-            _budget_reps(e, p, x, s, None, i, trim) for trim in (True, False)
+            _chunk_reps(e, p, x, s, None, i, trim) for trim in (True, False)
         ])  # fmt: skip
         trimmed, padded = both(params, x)
         try:
@@ -135,7 +95,7 @@ def full_batch_value_and_grad(
     def value_and_grad_fn(params, *inputs, rng=None, **loss_kwargs):
         n = len(inputs)
         encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
-        sizes = _validation.per_input(chunk_size, n, "chunk_size", _validation.chunk_size)
+        sizes = _validation.per_input(chunk_size, n, "chunk_size", _plan.check)
 
         def total(p):
             reps = [

@@ -39,18 +39,18 @@ def leaves_of(tree):
 def test_packed_chunks_read_the_same_rows(shape, dtype, chunk, packed):
     x = jnp.arange(np.prod(shape)).reshape(shape).astype(dtype)
     plan = _chunking.make_plan(shape[0], chunk)
-    view = _chunking.pack({"x": x}, plan, (False,))
+    view = plan.pack({"x": x}, (False,))
     assert isinstance(view["x"], _chunking.Lines) is packed
-    take = jax.jit(lambda v, c: _chunking.take(v, plan, c)["x"])
+    take = jax.jit(lambda v, c: plan.take(v, c)["x"])
     for c in range(plan.num_body):
         np.testing.assert_array_equal(take(view, c), x[c * chunk : (c + 1) * chunk])
-    tail = _chunking.take(view, plan, None)["x"]
+    tail = plan.take(view, None)["x"]
     np.testing.assert_array_equal(tail, x[plan.num_body * chunk :])
 
 
 def test_a_differentiated_leaf_is_not_packed():
     plan = _chunking.make_plan(64, 8)
-    view = _chunking.pack((jnp.ones((64, 32)), jnp.ones((64, 32))), plan, (True, False))
+    view = plan.pack((jnp.ones((64, 32)), jnp.ones((64, 32))), (True, False))
     assert [isinstance(v, _chunking.Lines) for v in leaves_of(view)] == [False, True]
 
 
@@ -116,7 +116,7 @@ def test_packed_token_ids_under_sharded_jit_match_full_batch(axis_type):
     f = jax.jit(gc_jax.cached_value_and_grad(contrastive, one_hot_tower, 4, batch_axis=batch_axis))
     with jax.set_mesh(mesh):
         got = f(params, q, d)
-        layout = gc_jax._distributed.layout_of(q, None, batch_axis)[1]
+        layout = gc_jax._layout.layout_of(q, None, batch_axis)[1]
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
     assert layout.shards == 8
     assert _chunking._packable(q["ids"], _chunking.make_plan(64, 4, layout))

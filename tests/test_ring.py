@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from test_losses import BLOCK_TOL, CASES, _data
 
 import gc_jax
-from gc_jax import _distributed, losses
+from gc_jax import _layout, losses
 
 D = 8
 N = 3  # rows per device
@@ -313,24 +313,24 @@ def test_forward_mode_is_not_supported_and_says_so():
 
 
 def test_layout_is_read_once_per_kind():
-    """``_distributed.rows_layout``: single, explicit (types), manual and the core's context."""
+    """``_layout.rows_layout``: single, explicit (types), manual and the core's context."""
     x = jnp.ones((16, 2))
-    assert _distributed.rows_layout(x) == _distributed.SINGLE
+    assert _layout.rows_layout(x) == _layout.SINGLE
     mesh = _mesh()
     xs = jax.device_put(x, NamedSharding(mesh, P("d")))
     kinds = []
-    jax.jit(lambda v: kinds.append(_distributed.rows_layout(v)) or v)(xs)
+    jax.jit(lambda v: kinds.append(_layout.rows_layout(v)) or v)(xs)
     assert kinds[0].kind == "explicit" and kinds[0].axes == "d" and kinds[0].shards == D
-    auto = _distributed.Layout("auto", "d", mesh.abstract_mesh, D)
-    with _distributed.batch_layout(auto):
-        assert _distributed.rows_layout(x) == auto
+    auto = _layout.Layout("auto", "d", mesh.abstract_mesh, D)
+    with _layout.batch_layout(auto):
+        assert _layout.rows_layout(x) == auto
     jax.shard_map(
-        lambda v: kinds.append(_distributed.rows_layout(v, "d")) or v,
+        lambda v: kinds.append(_layout.rows_layout(v, "d")) or v,
         mesh=mesh,
         in_specs=P("d"),
         out_specs=P("d"),
     )(xs)
-    assert kinds[-1] == _distributed.Layout("manual", "d", None, D)
+    assert kinds[-1] == _layout.Layout("manual", "d", None, D)
 
 
 def _independent_collectives(hlo: str) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from gc_jax import _distributed, _validation
+from gc_jax import _layout, _validation
 from gc_jax._base import PyTree
 
 
@@ -45,7 +45,7 @@ def _leaves(tree: PyTree, name: str) -> list:
 
 def _explicit_shards(leaf: Any, axis: int) -> int:
     """How many ways ``leaf``'s ``axis`` is sharded in its type (explicit mesh axes)."""
-    return (_distributed.axis_layout(leaf, axis) or _distributed.SINGLE).shards
+    return (_layout.axis_layout(leaf, axis) or _layout.SINGLE).shards
 
 
 def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:

@@ -1,0 +1,154 @@
+"""The chunk plan: how one input's batch is cut into chunks, one protocol for every kind.
+
+Two kinds of plan implement :class:`Plan`: chunks of rows
+(``gc_jax._chunking.ChunkPlan``, from an int ``chunk_size``) and chunks cut by a token
+budget (``gc_jax._token_chunks.TokenPlan``, from a :class:`gc_jax.TokenBudget`). This
+module is the one place that tells the kinds apart: it checks ``chunk_size``
+(:func:`check`), says whether the data decides the number of chunks
+(:func:`by_tokens`), and :func:`make` plans a batch: its layout across devices, its
+plan and its dropout key. The passes, ``chunked_encoder``, ``GradCache``,
+``gc_jax.testing`` and ``cachex`` call the protocol and never ask a plan's kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from gc_jax import _chunking, _keys, _layout, _token_chunks, _validation
+from gc_jax._base import AxisName, Encoder, PyTree
+from gc_jax._token_chunks import TokenBudget
+
+ChunkSize = int | TokenBudget
+"""What ``chunk_size`` takes: rows per chunk, or a token budget."""
+
+
+class Plan(Protocol):
+    """How one input's batch is cut into chunks, and how a chunk is read and written.
+
+    A *chunk index* is whatever the plan's loops hand out (a traced row-chunk number,
+    None for the last chunk of rows, a bucket's turn); only the plan interprets it.
+
+    Attributes:
+      batch_size: total rows ``B`` of the batch.
+      num_shards: contiguous shards of the rows in the array the program sees
+        (devices under a sharded ``jit``; 1 otherwise).
+      layout: how the rows lie across devices (``gc_jax._layout.Layout``).
+      num_chunks: the number of chunks when it is known at trace time, else None (the
+        data decides it: pass 1 then keeps no chunk's VJP).
+    """
+
+    batch_size: int
+    num_shards: int
+    layout: _layout.Layout
+
+    @property
+    def num_chunks(self) -> int | None: ...
+
+    def loops(self, keep_tail: bool) -> list[tuple[Callable[[Any], Any], Any]]:
+        """The chunk loops: ``(index of turn j, number of turns)``; ``keep_tail``: the
+        last chunk is encoded on its own (its VJP kept), not in a loop."""
+
+    def has_tail(self, keep_tail: bool) -> bool:
+        """Whether a last chunk (index None) is encoded on its own after the loops."""
+
+    def samples(self) -> list:
+        """One chunk index per distinct chunk shape (for the outputs' shapes)."""
+
+    def rows_of(self, index: Any) -> int:
+        """Rows per shard of chunk ``index``."""
+
+    def number(self, index: Any) -> Any:
+        """Chunk ``index``'s number in the batch (its key is ``fold_in(key, number)``)."""
+
+    def pack(self, batch: PyTree, wrt: tuple[bool, ...]) -> PyTree:
+        """``batch`` as :meth:`take` reads it fastest (leaves ``wrt`` are differentiated)."""
+
+    def take(self, tree: PyTree, index: Any) -> PyTree:
+        """Chunk ``index`` of every leaf of a (packed) batch."""
+
+    def put(self, buffer: PyTree, chunk: PyTree, index: Any) -> PyTree:
+        """``buffer`` with ``chunk`` written into chunk ``index``'s rows, in place."""
+
+    def take_cotangent(self, tree: PyTree, index: Any) -> PyTree:
+        """Chunk ``index`` of a representation gradient (zero on rows it does not own)."""
+
+    def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
+        """Checks that :meth:`samples`' chunks give outputs of one kind; returns one."""
+
+    def reference(
+        self, encode: Encoder, params: PyTree, batch: PyTree, key: Any, trim: bool = True
+    ) -> PyTree:
+        """The batch encoded chunk by chunk with the chunks' keys, differentiably (no
+        cache): ``gc_jax.testing``'s reference. ``trim=False``: token chunks untrimmed."""
+
+
+class Planned(NamedTuple):
+    """A batch laid out across devices, its plan, and its chunks' key (None: no key)."""
+
+    batch: PyTree
+    plan: Plan
+    key: jax.Array | None
+
+
+def check(value: Any, name: str) -> ChunkSize:
+    """A ``chunk_size``: a positive int (rows) or a :class:`gc_jax.TokenBudget`."""
+    return value if by_tokens(value) else _validation.positive_int(value, name)
+
+
+def check_all(value: Any) -> ChunkSize | tuple[ChunkSize, ...]:
+    """``chunk_size`` checked once, up front: one (int or TokenBudget), or a tuple of them."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if not value:
+            raise ValueError(
+                "chunk_size is an empty sequence; expected one positive int (or TokenBudget) "
+                "per input."
+            )
+        return tuple(check(v, f"chunk_size[{i}]") for i, v in enumerate(value))
+    return check(value, "chunk_size")
+
+
+def by_tokens(chunk_size: Any) -> bool:
+    """Whether ``chunk_size`` cuts chunks by a token budget: rows trimmed of padding, and
+    a number of chunks the data decides (pass 2 then cannot be differentiated again)."""
+    return isinstance(chunk_size, TokenBudget)
+
+
+def make(
+    batch: PyTree,
+    chunk_size: ChunkSize,
+    *,
+    axis_name: AxisName | None = None,
+    batch_axis: AxisName | None = None,
+    rng: jax.Array | None = None,
+    index: int | None = None,
+    name: str = "inputs",
+    one_device: bool = False,
+) -> Planned:
+    """Plans input ``index``'s ``batch`` (named ``name`` in errors).
+
+    The layout: inside ``pmap``/``shard_map`` (``axis_name`` given, or a batch that
+    varies over a manual axis) the batch holds this device's rows; under plain ``jit``
+    a batch sharded over the mesh (explicit axes, or auto axes named by
+    ``batch_axis``) is cut so that every device encodes its rows of every chunk.
+
+    The key: ``fold_in(rng, index)`` (``rng`` itself when ``index`` is None: the forms
+    that encode one input), with the device index folded into ``rng`` first under
+    ``axis_name``, so devices draw different dropout masks.
+
+    ``one_device``: plan the batch as one device would see it, whatever its sharding
+    (the reference of ``gc_jax.testing``).
+    """
+    rows = _validation.leading_size(batch, name)
+    layout = _layout.SINGLE
+    if not one_device:
+        batch, layout = _layout.layout_of(batch, axis_name, batch_axis, name)
+    if by_tokens(chunk_size):
+        plan = _token_chunks.make_plan(batch, chunk_size, name, layout)
+    else:
+        plan = _chunking.make_plan(rows, chunk_size, layout)
+    if axis_name is not None:
+        rng = _keys.device_key(rng, jax.lax.axis_index(axis_name))
+    return Planned(batch, plan, rng if index is None else _keys.input_key(rng, index))
