@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _distributed, _passes, _plan, _validation
-from gc_jax._base import PyTree
+from gc_jax._base import AxisName, Encoder, PyTree
+from gc_jax._token_chunks import TokenBudget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +164,11 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
 
 
 def chunked_encoder(
-    encode: Callable[[PyTree, PyTree, jax.Array | None], PyTree],
-    chunk_size: int,
+    encode: Encoder,
+    chunk_size: int | TokenBudget,
     *,
     policy: Callable[..., bool] | None = None,
-    batch_axis: Any = None,
+    batch_axis: AxisName | None = None,
 ) -> Callable[..., PyTree]:
     """Wraps an encoder so that any JAX differentiation through it is gradient-cached.
 

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from gc_jax import _flax, _plan, _validation, _value_and_grad
-from gc_jax._base import PyTree
+from gc_jax._base import AxisName, PyTree
 from gc_jax._token_chunks import TokenBudget
 
 
@@ -127,6 +128,11 @@ class GradCache:
       axis_name: the data-parallel axis when called inside ``pmap``/``shard_map``
         (pass the weights as ``params=``, see ``cache_step``). None for one device
         or for a batch sharded over a mesh under plain ``jit``.
+      batch_axis: under plain ``jit`` with *auto* mesh axes (``jax.set_mesh``), the
+        mesh axes the batch is sharded over; not needed under explicit axes, where
+        the sharding is read from the array types (as ``cached_value_and_grad``).
+      cache_dtype: dtype of the cached float representations (default: the models'
+        own output dtype), as ``cached_value_and_grad``.
 
     Model inputs are passed as in the original: an array ``x`` as ``model(x)``, a list
     or tuple as ``model(*x)``, a dict as ``model(**x)``; every leaf is a batch.
@@ -174,7 +180,9 @@ class GradCache:
         get_rep_fn: Callable[[Any], PyTree] | None = None,
         *,
         has_aux: bool = False,
-        axis_name: Any = None,
+        axis_name: AxisName | None = None,
+        batch_axis: AxisName | None = None,
+        cache_dtype: DTypeLike | None = None,
     ):
         self.models = [models] if isinstance(models, nnx.Module) else list(models)
         if not self.models:
@@ -197,7 +205,8 @@ class GradCache:
             if fn is not None:
                 _validation.callable_arg(fn, name)
         self.split_input_fn, self.get_rep_fn = split_input_fn, get_rep_fn
-        self.has_aux, self.axis_name = has_aux, axis_name
+        self.has_aux, self.axis_name, self.batch_axis = has_aux, axis_name, batch_axis
+        self.cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
         self._unique = tuple({id(m): m for m in self.models}.values())
         self._slot = tuple(
             next(j for j, u in enumerate(self._unique) if u is m) for m in self.models
@@ -222,7 +231,13 @@ class GradCache:
         ]
         loss = lambda _, *reps, **kw: self.loss_fn(*reps, **kw)
         f = _value_and_grad.cached_value_and_grad(
-            loss, encoders, self.chunk_sizes, has_aux=self.has_aux, axis_name=self.axis_name
+            loss,
+            encoders,
+            self.chunk_sizes,
+            has_aux=self.has_aux,
+            axis_name=self.axis_name,
+            batch_axis=self.batch_axis,
+            cache_dtype=self.cache_dtype,
         )
         return f(params, *inputs, rng=rng, **dyn_kwargs, **dict(static_kwargs))
 

@@ -28,9 +28,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.training import train_state as flax_train_state
+from jax.typing import DTypeLike
 
 from gc_jax import _loss_scale, _validation
+from gc_jax._base import AxisName, Encoder
 from gc_jax._loss_scale import DynamicLossScale
+from gc_jax._token_chunks import TokenBudget
 from gc_jax._value_and_grad import cached_value_and_grad
 
 TrainState = flax_train_state.TrainState
@@ -298,18 +301,18 @@ def _check_settings(loss_scale, skip_nonfinite, growth_interval, check_finite):
 
 def make_train_step(
     loss_fn: Callable[..., Any],
-    encoders: Callable | Sequence[Callable],
-    chunk_size: int | Sequence[int],
+    encoders: Encoder | Sequence[Encoder],
+    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
     *,
     optimizer: optax.GradientTransformation | optax.MultiSteps | None = None,
     has_aux: bool = False,
-    axis_name: Any = None,
-    batch_axis: Any = None,
+    axis_name: AxisName | None = None,
+    batch_axis: AxisName | None = None,
     skip_nonfinite: bool = True,
     loss_scale: float | str | None = None,
     growth_interval: int = 2000,
     check_finite: bool | str = False,
-    cache_dtype: Any = None,
+    cache_dtype: DTypeLike | None = None,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """A pure training step with cached (chunked) gradients.
 

@@ -29,9 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gc_jax import _distributed, _layout, _loss_scale, _passes, _plan, _validation
-from gc_jax._base import Encoder, PyTree
+from gc_jax._base import AxisName, Encoder, PyTree
+from gc_jax._token_chunks import TokenBudget
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
 _OWN_KEYWORDS = ("rng", "loss_scale")
@@ -166,12 +168,12 @@ def _loss_and_rep_grads(loss_fn, has_aux, params, reps, scale, axis_name, inputs
 def cached_value_and_grad(
     loss_fn: Callable[..., Any],
     encoders: Encoder | Sequence[Encoder],
-    chunk_size: int | Sequence[int],
+    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
     *,
     has_aux: bool = False,
-    axis_name: Any = None,
-    batch_axis: Any = None,
-    cache_dtype: Any = None,
+    axis_name: AxisName | None = None,
+    batch_axis: AxisName | None = None,
+    cache_dtype: DTypeLike | None = None,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad`` of a loss over encoded batches, with chunked memory.
 

@@ -330,6 +330,30 @@ def test_data_parallel(transform, gathered):
     chex.assert_trees_all_close(out, ref_out, **TOL)
 
 
+def test_batch_axis_under_auto_mesh_axes_and_cache_dtype():
+    """The settings GradCache shares with cached_value_and_grad: batch_axis (each
+    device encodes its rows of every chunk under auto axes) and cache_dtype."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    mq, md = Tower(0), Tower(1)
+    q, d = batch(1, 16), batch(2, 16)
+    ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q), apply(md, pd, d))
+    want = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
+    gc = gc_jax.GradCache([mq, md], 1, contrastive_loss, batch_axis="d")
+    with jax.set_mesh(mesh):
+        sharded = NamedSharding(mesh, P("d"))
+        got = gc(jax.device_put(q, sharded), jax.device_put(d, sharded))
+    chex.assert_trees_all_close(got, want, **TOL)
+
+    narrow = gc_jax.GradCache([mq, md], 3, contrastive_loss, cache_dtype=jnp.bfloat16)
+    rounded = lambda pq, pd: contrastive_loss(
+        apply(mq, pq, q).astype(jnp.bfloat16), apply(md, pd, d).astype(jnp.bfloat16)
+    )
+    want = full_value_and_grad(rounded, (0, 1))(params_of(mq), params_of(md))
+    chex.assert_trees_all_close(narrow(q, d), want, **TOL)
+    with pytest.raises(TypeError, match="cache_dtype must be a real floating-point dtype"):
+        gc_jax.GradCache([mq, md], 3, contrastive_loss, cache_dtype=jnp.int32)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
