@@ -1,4 +1,4 @@
-"""The ring losses (``method="ring"``, ``gc_jax._ring``) on 8 emulated devices.
+"""The ring losses (``method="ring"``, ``gc_jax.losses._ring``) on 8 emulated devices.
 
 Every result is compared with the dense single-device loss over the whole batch
 (plain ``jax.value_and_grad`` under ``jit``), in value and in the gradients of both
@@ -24,6 +24,7 @@ from test_losses import BLOCK_TOL, CASES, _data
 
 import gc_jax
 from gc_jax import _layout, losses
+from gc_jax.losses import _common
 
 D = 8
 N = 3  # rows per device
@@ -289,7 +290,7 @@ def test_auto_picks_the_ring_above_the_gather_limit():
         loss = functools.partial(losses.contrastive_loss, block_size=4096)
         return str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, x))
 
-    limit_rows = losses._GATHER_BYTES // (64 * 2)
+    limit_rows = _common.GATHER_BYTES // (64 * 2)
     big, small = primitives(2 * limit_rows), primitives(limit_rows)
     assert "ppermute" in big and "all_gather" not in big
     assert "ppermute" not in small

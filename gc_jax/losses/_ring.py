@@ -5,13 +5,13 @@ blocks of ``ys`` travel around the ring of the ``axis_name`` devices with
 ``lax.ppermute``: at step ``s`` device ``p`` holds device ``p - s``'s block, and before
 it computes on that block it sends it on to ``p + 1`` (double buffering: the transfer
 of the next block overlaps the computation on this one). Each step is one
-:func:`gc_jax._blockwise.sweep` of this device's queries against the block it holds,
+:func:`_blockwise.sweep` of this device's queries against the block it holds,
 so the per-row statistics (the online log-sum-exp of the softmax losses) are updated
 exactly as in the single-device blockwise loss, tile by tile.
 
 *Custom VJP*: the backward runs on the ring too, ring-attention style. Each step
 recomputes the tiles of this device's queries against the block it holds
-(``gc_jax._blockwise._backward``): ``dx`` and the scalars' gradients stay here, and the
+(``_blockwise.backward``): ``dx`` and the scalars' gradients stay here, and the
 block's ``dys`` is added to an accumulator that travels with the block, one step
 behind it (the accumulator of the block held at step ``s - 1`` is sent at the start of
 step ``s``, so that transfer also overlaps a step's computation). After the full circle
@@ -34,8 +34,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _blockwise
 from gc_jax._base import AxisName
+from gc_jax.losses import _blockwise
+from gc_jax.losses._strategies import Strategy
 
 Scalar = jax.Array
 
@@ -94,7 +95,7 @@ def _backward(kind, block, axis_name, x, ys, targets, scale, bias, stat, g):
     acc = scale.dtype
 
     def visit(here, targets):
-        dx, dys, dscale, dbias = _blockwise._backward(
+        dx, dys, dscale, dbias = _blockwise.backward(
             kind, block, x, here, targets, scale, bias, stat, g
         )
         return dx.astype(acc), dys.astype(acc), dscale, dbias
@@ -143,7 +144,7 @@ _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
 def rows(
-    kind: _blockwise.Strategy,
+    kind: Strategy,
     x: jax.Array,
     ys: jax.Array,
     targets: jax.Array,
@@ -155,7 +156,7 @@ def rows(
     """Per-row losses of this device's ``x`` against the ``ys`` of every device on the ring.
 
     Args:
-      kind: the row-wise loss (``_blockwise._Softmax`` or ``_blockwise._Sigmoid``).
+      kind: the row-wise loss (``_strategies.Softmax`` or ``_strategies.Sigmoid``).
       x: this device's queries, ``[n, d]``.
       ys: this device's candidates, ``[m, d]`` (the same ``m`` on every device).
       targets: the index into *this device's* ``ys`` of each query's positive.
@@ -170,5 +171,5 @@ def rows(
     """
     acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
-    scale, bias, targets = _blockwise._varying_like((*scalars, targets), x, ys)
+    scale, bias, targets = _blockwise.varying_like((*scalars, targets), x, ys)
     return _rowwise(kind, block_size, axis_name, x, ys, targets, scale, bias)

@@ -21,7 +21,7 @@ and over key blocks for ``dys``, so that no batch-sized gradient is carried acro
 blocks. The second sweep writes ``dys`` over ``ys`` (each block is read just before it
 is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering
 ``ys`` across devices happens outside, so its transpose (a reduce-scatter) is left
-to JAX; the ring form (``gc_jax._ring``) instead runs :func:`sweep` and the backward
+to JAX; the ring form (``_ring``) instead runs :func:`sweep` and the backward
 once per block of ``ys`` that reaches the device.
 
 *Precision*: tiles, per-row statistics and per-block gradients are computed in the
@@ -35,97 +35,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax import _distributed, _narrow
+from gc_jax.losses import _strategies
+from gc_jax.losses._strategies import Rows, Strategy
 
-Rows = tuple[jax.Array, ...]
 Scalar = jax.Array
-
-
-class Strategy(Protocol):
-    """How a blockwise loss forms each row's loss and its logits' gradient, tile by tile.
-
-    A new row-wise loss fills these four static methods (see :class:`_Softmax` and
-    :class:`_Sigmoid`); the loops, the masking of overlapping blocks, the custom VJP
-    and the ring across devices (``gc_jax._ring``) are shared. Every array argument is
-    in the accumulation dtype; ``z`` is a ``[rows, cols]`` tile of logits, ``valid``
-    marks the columns the tile owns (a last, overlapping block's columns shared with
-    the block before are not), ``pos`` marks each row's target (at most one column,
-    always valid).
-    """
-
-    @staticmethod
-    def init(zeros: jax.Array) -> Rows:
-        """The running statistics before any tile, from ``[rows]`` zeros.
-
-        ``zeros`` has the accumulation dtype and the rows' type (mesh, varying axes):
-        build every statistic from it (``zeros``, ``full_like``), never from scratch.
-        """
-
-    @staticmethod
-    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
-        """``carry`` updated with one tile's valid columns (tiles come in any order)."""
-
-    @staticmethod
-    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
-        """``(per-row losses, per-row statistic the backward needs)`` after every tile."""
-
-    @staticmethod
-    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, stat: jax.Array) -> jax.Array:
-        """``d loss_row / d z`` on one tile (zero off ``valid``), given ``finish``'s statistic."""
-
-
-class _Softmax:
-    """Per row: ``-log softmax(z)[target] = lse(z) - z[target]``."""
-
-    @staticmethod
-    def init(zeros: jax.Array) -> Rows:
-        """Running max, running sum of ``exp(z - max)``, and the target's logit."""
-        return jnp.full_like(zeros, -jnp.inf), zeros, zeros
-
-    @staticmethod
-    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
-        mx, se, target = carry
-        z_valid = jnp.where(valid, z, -jnp.inf)
-        new_mx = jnp.maximum(mx, z_valid.max(axis=1))
-        se = se * jnp.exp(mx - new_mx) + jnp.exp(z_valid - new_mx[:, None]).sum(axis=1)
-        return new_mx, se, target + jnp.where(pos, z, 0).sum(axis=1)
-
-    @staticmethod
-    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
-        """The per-row losses and the statistic the backward needs (the LSE)."""
-        mx, se, target = carry
-        lse = mx + jnp.log(se)
-        return lse - target, lse
-
-    @staticmethod
-    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, lse: jax.Array) -> jax.Array:
-        return jnp.where(valid, jnp.exp(z - lse[:, None]), 0) - pos
-
-
-class _Sigmoid:
-    """Per row: ``sum_j -log sigmoid(label_ij * z_ij)``, label ``+1`` at the target only."""
-
-    @staticmethod
-    def init(zeros: jax.Array) -> Rows:
-        return (zeros,)
-
-    @staticmethod
-    def update(carry: Rows, z: jax.Array, valid: jax.Array, pos: jax.Array) -> Rows:
-        terms = jax.nn.softplus(jnp.where(pos, -z, z))  # -log sigmoid(label * z)
-        return (carry[0] + jnp.where(valid, terms, 0).sum(axis=1),)
-
-    @staticmethod
-    def finish(carry: Rows) -> tuple[jax.Array, jax.Array]:
-        return carry[0], carry[0]  # the backward needs no statistic
-
-    @staticmethod
-    def dlogits(z: jax.Array, valid: jax.Array, pos: jax.Array, _: jax.Array) -> jax.Array:
-        return jnp.where(valid, jnp.where(pos, -jax.nn.sigmoid(-z), jax.nn.sigmoid(z)), 0)
 
 
 def _read(v: jax.Array, start: jax.Array, size: int) -> jax.Array:
@@ -198,19 +117,19 @@ def _sizes(block: int, x: jax.Array, ys: jax.Array) -> tuple[int, int]:
     return min(block, x.shape[0]), min(block, ys.shape[0])
 
 
-def _varying_like(tree: Any, *others: jax.Array) -> Any:
+def varying_like(tree: Any, *others: jax.Array) -> Any:
     """Casts ``tree``'s leaves to vary over every ``shard_map`` axis ``others`` vary over.
 
     Loop carries must keep their types, and the custom VJP's cotangents must have the
     types of its inputs: a replicated scalar used with per-device rows is cast outside
     the custom VJP, and gets its (psummed) gradient through the cast.
     """
-    return _distributed.to_varying(tree, _distributed.varying_axes_of(others) or None)
+    return _distributed.vary_like(tree, *others)
 
 
 def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
     """Zeros typed like ``like`` (shape, and mesh under explicit axes), varying like ``others``."""
-    return _varying_like(jnp.zeros_like(like, dtype), *others)
+    return varying_like(jnp.zeros_like(like, dtype), *others)
 
 
 def sweep(
@@ -227,7 +146,7 @@ def sweep(
 
     A loop over query blocks, an inner one over ``ys``'s blocks. The rows a last,
     overlapping query block shares with the block before keep the values that block
-    gave them (they would otherwise count ``ys`` twice). ``gc_jax._ring`` calls this
+    gave them (they would otherwise count ``ys`` twice). ``_ring`` calls this
     once per block of ``ys`` that reaches the device.
     """
     bq, bk = _sizes(block, x, ys)
@@ -270,7 +189,7 @@ def _forward(
     return kind.finish(sweep(kind, block, x, ys, targets, scale, bias, carry))
 
 
-def _backward(
+def backward(
     kind: Strategy,
     block: int,
     x: jax.Array,
@@ -346,9 +265,9 @@ def _backward(
     # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
     # arrays (x, dx, ys/dy), not four.
     zero = _zeros(ys[0, 0], acc, x, ys)
-    init = (_varying_like(x, x, ys), zero, zero)
+    init = (varying_like(x, x, ys), zero, zero)
     dx, dscale, dbias = _loop(query_block, nq, init, ys, *queries)
-    dy = _loop(key_block, m // bk, _varying_like(ys, x, ys), _zero_after(dscale), *queries)
+    dy = _loop(key_block, m // bk, varying_like(ys, x, ys), _zero_after(dscale), *queries)
     if m % bk:  # the last block overlaps the one before: only its own rows are written
         own = m % bk
         last = key_grad(nk - 1, dy, queries)[bk - own :]
@@ -379,7 +298,7 @@ def _rowwise_fwd(kind, block, x, ys, targets, scale, bias):
 
 def _rowwise_bwd(kind, block, res, g):
     x, ys, targets, scale, bias, stat = res
-    dx, dys, dscale, dbias = _backward(kind, block, x, ys, targets, scale, bias, stat, g)
+    dx, dys, dscale, dbias = backward(kind, block, x, ys, targets, scale, bias, stat, g)
     return dx, dys, None, dscale, dbias
 
 
@@ -391,7 +310,7 @@ def accumulation_dtype(*values: Any) -> jnp.dtype:
     return jnp.promote_types(jnp.result_type(*values), jnp.float32)
 
 
-def _call(
+def call(
     kind: Strategy,
     x: jax.Array,
     ys: jax.Array,
@@ -405,7 +324,7 @@ def _call(
     ``x`` and ``ys`` keep their dtypes: only tiles are computed in the wider dtype.
     """
     acc = accumulation_dtype(x, ys, scale, bias)
-    scale, bias = _varying_like((jnp.asarray(scale, acc), jnp.asarray(bias, acc)), x, ys)
+    scale, bias = varying_like((jnp.asarray(scale, acc), jnp.asarray(bias, acc)), x, ys)
     return _rowwise(kind, block_size, x, ys, targets, scale, bias)
 
 
@@ -436,7 +355,7 @@ def softmax_cross_entropy(
       >>> bool(jnp.allclose(softmax_cross_entropy(x, ys, t, 2.0, block_size=2), dense))
       True
     """
-    return _call(_Softmax, x, ys, targets, scale, 0.0, block_size)
+    return call(_strategies.Softmax, x, ys, targets, scale, 0.0, block_size)
 
 
 def sigmoid_rows(
@@ -471,4 +390,4 @@ def sigmoid_rows(
       >>> bool(jnp.allclose(rows, dense))
       True
     """
-    return _call(_Sigmoid, x, ys, targets, scale, bias, block_size)
+    return call(_strategies.Sigmoid, x, ys, targets, scale, bias, block_size)

@@ -1,0 +1,156 @@
+"""What every loss shares: argument checks, the reduction, and where the rows are scored.
+
+:func:`run` reads how the rows lie (one device, ``shard_map``/``pmap``, or ``jit`` over
+a mesh) and calls a loss's per-device body there; :func:`rows` is that body's per-row
+losses in the dense, blockwise or ring form; :func:`reduce` turns this device's
+per-row losses into the global loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gc_jax import _distributed, _layout, _validation
+from gc_jax._base import AxisName
+from gc_jax.losses import _blockwise, _ring, _strategies
+
+REDUCTIONS = ("mean", "sum", "none")
+METHODS = ("auto", "ring", "gather")
+GATHER_BYTES = 64 * 2**20
+"""``method="auto"`` gathers while the gathered inputs take at most this much per device."""
+
+
+def check_pair(x: jax.Array, y: jax.Array, multiple: bool) -> int:
+    """Checks ``x`` and ``y`` are ``[rows, dim]`` alike; returns ``k = len(y) // len(x)``.
+
+    ``multiple``: ``y`` may hold ``k`` rows per row of ``x`` (else exactly one).
+    """
+    for name, v in (("x", x), ("y", y)):
+        if getattr(v, "ndim", None) != 2:
+            raise ValueError(
+                f"{name} must be a 2-D [rows, dim] array, got shape {getattr(v, 'shape', v)}."
+            )
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"x and y must have the same embedding dim, got x: {x.shape} and y: {y.shape}."
+        )
+    if multiple:
+        if y.shape[0] % x.shape[0]:
+            raise ValueError(
+                f"len(y) must be a multiple of len(x) (k rows of y per query: its positive, "
+                f"then hard negatives), got len(x)={x.shape[0]}, len(y)={y.shape[0]}."
+            )
+    elif x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y must have the same number of rows, got {x.shape} and {y.shape}.")
+    return y.shape[0] // x.shape[0]
+
+
+def check_options(reduction: str, block_size: Any, method: Any) -> tuple[int | None, str]:
+    """Checks the options every loss takes; returns ``(block_size, method)``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+    if block_size is not None:
+        block_size = _validation.positive_int(block_size, "block_size")
+    if method not in METHODS:
+        raise ValueError(
+            f"method must be one of {METHODS}, got {method!r}: 'ring' passes the other "
+            "side's blocks around the devices (memory flat in the number of devices), "
+            "'gather' all-gathers it, 'auto' picks (see gc_jax.losses)."
+        )
+    return block_size, method
+
+
+def num_devices(axis_name: AxisName | None) -> int:
+    """How many devices share the batch along ``axis_name`` (1 without one)."""
+    return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+
+def _gather(v: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    return v if axis_name is None else _distributed.all_gather(v, axis_name)
+
+
+def _targets(rows: int, k: int, axis_name: AxisName | None) -> jax.Array:
+    """Index into the gathered other side of each local row's positive (``k`` per query)."""
+    offset = 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
+    return (offset + jnp.arange(rows)) * k
+
+
+def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> jax.Array:
+    """Reduces this device's per-row losses into the global mean or sum."""
+    if reduction == "none":
+        return per_row
+    share = jnp.sum(per_row)
+    if reduction == "mean":
+        share = share / global_rows
+    return _distributed.global_loss(share, axis_name)
+
+
+def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
+    """``scale * x @ ys.T + bias`` accumulated in at least float32, without casting x or ys."""
+    acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
+    return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
+
+
+def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
+    """Per-row losses of this device's ``x`` against every device's ``y``, ring or gathered."""
+    n = x.shape[0]
+    if ring:
+        block = block_size or max(n, y.shape[0])  # dense: one tile per travelling block
+        return _ring.rows(kind, x, y, jnp.arange(n) * k, scale, bias, block, axis_name)
+    ys = _gather(y, axis_name)
+    targets = _targets(n, k, axis_name)
+    x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
+    if block_size is not None:
+        return _blockwise.call(kind, x, ys, targets, scale, bias, block_size)
+    logits = _logits(x, ys, scale, bias)
+    positive = jnp.arange(ys.shape[0]) == targets[:, None]
+    if kind is _strategies.Softmax:
+        # Not optax's integer-label cross-entropy: its per-row gather transposes to a
+        # scatter whose sharding JAX 0.12 cannot infer under explicit mesh axes.
+        pos = jnp.sum(jnp.where(positive, logits, 0), axis=1)
+        return jax.nn.logsumexp(logits, axis=1) - pos
+    labels = jnp.where(positive, 1.0, -1.0).astype(logits.dtype)
+    return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
+
+
+def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:
+    """The automatic rule: the ring once the gathered side would exceed ``GATHER_BYTES``."""
+    if method != "auto":
+        return method == "ring"
+    return layout.shards > 1 and gathered > GATHER_BYTES
+
+
+@_layout.types_mesh
+def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides):
+    """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
+
+    ``sides``: the inputs each device would gather in the gather form (their size
+    decides ``method="auto"``). Under ``jit`` over a mesh (explicit axes read from the
+    types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the core's
+    ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
+    """
+    _distributed.check_split_alike({"x": x, "y": y}, _distributed.typed_axes(axis_name))
+    layout = _layout.rows_layout(x, axis_name)
+    here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
+    gathered = layout.shards * here  # what every device would hold in the gather form
+    ring = use_ring(method, layout, gathered)
+    if layout.kind in ("single", "manual"):
+        return local(x, y, *scalars, axis_name=layout.axes, ring=ring and layout.shards > 1)
+    if not ring:  # gathered whole by the compiler, from the sharding in the types
+        return local(x, y, *scalars, axis_name=None, ring=False)
+    rows = P(layout.axes, None)
+    out = P(layout.axes) if reduction == "none" else P()
+    f = jax.shard_map(
+        functools.partial(local, axis_name=layout.axes, ring=True),
+        mesh=layout.mesh,
+        in_specs=(rows, rows, *[P()] * len(scalars)),
+        out_specs=out,
+    )
+    scalars = [jnp.asarray(v, jnp.result_type(v, jnp.float32)) for v in scalars]
+    return f(layout.place(x, rows), layout.place(y, rows), *scalars)
