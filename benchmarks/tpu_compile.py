@@ -57,7 +57,6 @@ import jax.numpy as jnp
 
 import gc_jax
 from benchmarks import bert, common
-from gc_jax._chunk_size import device_memory
 
 GIB, KIB = 2**30, 2**10
 RESULTS = common.RESULTS / "tpu_compile.json"
@@ -218,7 +217,7 @@ def run(args: argparse.Namespace, cfg: bert.BertConfig) -> dict:
     steps = modes(cfg, args.chunk, args.block)
     for chip in args.chips:
         device = topology_device(chip)
-        hbm = device_memory(device)  # what the compiler offers a program
+        hbm = gc_jax.device_memory(device)  # what the compiler offers a program
         limit = args.budget_gib * GIB if args.budget_gib else hbm
         entry = table.setdefault("chips", {}).setdefault(chip, {"modes": {}})
         entry.update(topology=CHIPS[chip], device_kind=device.device_kind, hbm=hbm, limit=limit)

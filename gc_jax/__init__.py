@@ -10,6 +10,7 @@ from gc_jax import losses
 from gc_jax import testing
 from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
+from gc_jax._chunk_size import device_memory
 from gc_jax._chunk_size import largest_chunk_size
 from gc_jax._distributed import global_loss
 from gc_jax._equinox import equinox_encoder
@@ -30,6 +31,7 @@ __all__ = [
     "cached_value_and_grad",
     "cachex",
     "chunked_encoder",
+    "device_memory",
     "equinox_encoder",
     "functional",
     "global_loss",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import re
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,12 +31,14 @@ from gc_jax._base import PyTree
 _GIB = 2**30
 # The HBM the TPU compiler offers one program per device (libtpu 0.0.42, measured
 # from its out-of-memory message); used when the compiler's message cannot be read.
-_TPU_HBM = {
-    "TPU v4": 30.75 * _GIB,  # megacore: one device per chip
-    "TPU v5 lite": 15.75 * _GIB,  # v5e
-    "TPU v5": 95.74 * _GIB,  # v5p, megacore
-    "TPU v6 lite": 31.25 * _GIB,  # v6e
-}
+_TPU_HBM = types.MappingProxyType(
+    {
+        "TPU v4": 30.75 * _GIB,  # megacore: one device per chip
+        "TPU v5 lite": 15.75 * _GIB,  # v5e
+        "TPU v5": 95.74 * _GIB,  # v5p, megacore
+        "TPU v6 lite": 31.25 * _GIB,  # v6e
+    }
+)
 _AVAILABLE = re.compile(r"exceeds available HBM \(([\d.]+)G\)")
 
 
@@ -58,8 +61,21 @@ def _tpu_hbm(device: jax.Device) -> float | None:
 def device_memory(device: jax.Device) -> float | None:
     """Bytes a program may use on ``device``, or None where nothing says.
 
-    A live accelerator reports ``memory_stats()["bytes_limit"]``; a TPU device
-    (compile-only included) is asked through its compiler; a CPU reports nothing.
+    What :func:`largest_chunk_size` fits a step into when no ``budget_bytes`` is
+    given. A live accelerator reports ``memory_stats()["bytes_limit"]``; a TPU
+    device (compile-only ones from ``jax.experimental.topologies`` included) is
+    asked through its compiler; a CPU reports nothing.
+
+    Args:
+      device: a ``jax.Device``.
+
+    Returns:
+      The bytes, or None (e.g. on a CPU).
+
+    Examples:
+      >>> import jax, gc_jax
+      >>> gc_jax.device_memory(jax.devices("cpu")[0]) is None
+      True
     """
     try:
         stats = device.memory_stats()
@@ -119,8 +135,8 @@ def _budget_device(target: jax.Device | Mesh | None, args: PyTree) -> jax.Device
     return jax.devices()[0]
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = types.MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})  # fmt: skip
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 

@@ -9,6 +9,7 @@ the function's ``__doc__``: what ``help()``, Sphinx and the doctests read.
 from __future__ import annotations
 
 import textwrap
+import types
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -31,7 +32,7 @@ The loss, in float32 (or wider). Under ``axis_name``: the global loss on every
 device, typed replicated under ``shard_map`` (``out_specs=P()``). With
 ``reduction="none"``: this device's per-row losses."""
 
-_MARKERS = {"{shared args}": _ARGS, "{shared returns}": _RETURNS}
+_MARKERS = types.MappingProxyType({"{shared args}": _ARGS, "{shared returns}": _RETURNS})
 
 
 def shared_docs(fn: F) -> F:
