@@ -282,7 +282,7 @@ def largest_chunk_size(
       make_step: ``make_step(chunk_size) -> step``, e.g.
         ``lambda c: gc_jax.make_train_step(loss_fn, encode, c)``. ``step`` may be a
         plain function (it is jitted) or a ``jax.jit`` one (to keep ``donate_argnums``).
-      args: the step's positional arguments: arrays or ``jax.ShapeDtypeStruct``s
+      args: the step's positional arguments: arrays or ``jax.ShapeDtypeStruct`` values
         (only shapes, dtypes and shardings are read).
       candidates: the rows per device of the batch (an int ``n``: tries the powers of
         two below ``n`` and ``n`` itself, which is full-batch training), or the chunk

@@ -1,4 +1,7 @@
-"""The README's quick start runs as written and gives the full-batch gradient."""
+"""The README's quick start runs as written and gives the full-batch gradient.
+
+The guide's blocks (bring your own step, scaling out, ...) are run by tests/test_guide.py.
+"""
 
 import re
 from pathlib import Path
@@ -6,8 +9,6 @@ from pathlib import Path
 import chex
 import jax
 import jax.numpy as jnp
-
-import gc_jax
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -34,23 +35,8 @@ def test_quick_start_runs_and_matches_full_batch():
     assert jnp.isfinite(loss)
 
 
-def test_bring_your_own_step_matches_full_batch():
-    namespace: dict = {}
-    exec(python_blocks()[0], namespace)  # encode, loss_fn from the quick start
-    (byo,) = [b for b in python_blocks() if b.startswith("# bring your own step")]
-    exec(byo, namespace)
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
-    params = {"w1": jax.random.normal(k1, (8, 16)), "w2": jax.random.normal(k2, (16, 4))}
-    queries, docs = jax.random.normal(k3, (600, 8)), jax.random.normal(k4, (600, 8))
-    opt_state = namespace["tx"].init(params)
-    new_params, _, loss = namespace["my_step"](params, opt_state, queries, docs, None)
-
-    encode, tx = namespace["encode"], namespace["tx"]
-    loss_of = lambda p: gc_jax.losses.contrastive_loss(
-        encode(p, queries, None), encode(p, docs, None), temperature=0.05
-    )
-    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_of))(params)
-    updates, _ = tx.update(want_grads, tx.init(params), params)
-    want = jax.tree.map(lambda p, u: p + u, params, updates)
-    chex.assert_trees_all_close(loss, want_loss, rtol=1e-5)
-    chex.assert_trees_all_close(new_params, want, rtol=1e-4, atol=1e-6)
+def test_quick_start_is_the_guides():
+    """The guide's quick start (docs/quickstart.md, tests/test_guide.py) is the README's."""
+    guide = (README.parent / "docs" / "quickstart.md").read_text()
+    (block,) = re.findall(r"```python\n# quick start\n(.*?)```", guide, flags=re.S)
+    assert block == python_blocks()[0]

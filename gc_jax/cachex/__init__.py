@@ -31,10 +31,16 @@ Differences from the original:
 * Argument errors (an ``n_chunk`` that does not divide the batch, leaves with
   different numbers of chunks, a ``cached_grad`` of the wrong shape) raise
   ``ValueError``/``TypeError`` naming the argument.
-* Sharding: a pre-chunked batch sharded along its rows works under auto mesh axes
-  (plain ``jit`` with shardings, as Tevatron does); under explicit axes
-  (``AxisType.Explicit``) it does not yet: ``tree_chunk``'s reshape needs an
-  ``out_sharding`` and the passes' cache is sharded like the leading (chunk) axis only.
+* Sharding: under auto mesh axes (plain ``jit`` with shardings, as Tevatron does)
+  ``grad_cached``, ``chunk_encode`` and ``cache_grad`` work on a batch sharded along
+  its rows, however it is chunked. Under explicit axes
+  (``AxisType.Explicit``, ``jax.make_mesh``'s default), with or without
+  ``jax.set_mesh``, ``grad_cached`` works when each device holds whole chunks of its
+  own rows: ``tree_chunk`` inside the ``jit`` with ``n_chunk`` a multiple of the
+  number of shards (else it raises a ``ValueError`` saying so), or a pre-chunked batch
+  placed with ``P("data")`` (the chunk axis sharded). Not yet (JAX raises a sharding
+  type error): a pre-chunked batch sharded within its chunks (``P(None, "data")``),
+  and ``chunk_encode``/``cache_grad`` on a sharded batch.
 * Encoders may return pytrees of arrays; integer outputs and inputs (ids, masks,
   raw or typed per-chunk dropout keys) get no gradient.
 

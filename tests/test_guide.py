@@ -1,0 +1,236 @@
+"""The guide's pages (docs/*.md): every python block runs and computes what the page says.
+
+Each block starts with a comment naming it (``# quick start``). A page's blocks run in
+order in one namespace, as a reader would run them, and each test checks what they
+computed against plain ``jax.value_and_grad`` over the whole (unsharded) batch.
+``docs/models.md`` is tested by ``tests/test_docs.py``; ``test_every_block_is_run``
+makes sure no block on any other page goes untested.
+"""
+
+import contextlib
+import io
+import os
+import re
+from operator import itemgetter
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import gc_jax
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as tests/test_tpu.py: others may hold it
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+# The blocks each page has, in order; the tests below run them.
+PAGES = {
+    "quickstart.md": [
+        "quick start",
+        "run it",
+        "a full training step",
+        "bring your own step: a plain optax loop",
+        "bring your own step: nnx",
+    ],
+    "chunk_size.md": ["largest chunk size"],
+    "token_budgets.md": ["token budget", "run it"],
+    "scaling_out.md": [
+        "setup",
+        "shard_map",
+        "sharded jit, explicit axes",
+        "sharded jit, auto axes",
+    ],
+    "losses.md": [
+        "setup",
+        "the losses inside shard_map",
+        "blockwise",
+        "ring",
+        "your own distributed loss",
+    ],
+    "porting.md": ["GradCache class", "cachex"],
+    "correctness.md": ["check your model", "a model that mixes rows"],
+}
+TESTED_ELSEWHERE = {"models.md"}  # tests/test_docs.py
+
+
+def blocks(page: str) -> dict[str, str]:
+    """The page's python blocks by their first line, a comment naming them."""
+    text = (DOCS / page).read_text()
+    found = re.findall(r"```python\n# ([^\n]*)\n(.*?)```", text, flags=re.S)
+    assert len(found) == text.count("```python"), f"{page}: a python block has no # name"
+    return dict(found)
+
+
+def run(page: str, *names: str, namespace: dict | None = None) -> dict:
+    namespace = {} if namespace is None else namespace
+    for name in names:
+        exec(blocks(page)[name], namespace)
+    return namespace
+
+
+def full_value_and_grad(loss_fn, encode, params, *inputs):
+    """Plain ``jax.value_and_grad`` over the whole batch, no chunks, no key."""
+    total = lambda p: loss_fn(p, *(encode(p, x, None) for x in inputs))
+    return jax.jit(jax.value_and_grad(total))(params)
+
+
+def adamw_step(params, grads, lr=1e-3):
+    tx = optax.adamw(lr)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return optax.apply_updates(params, updates)
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+def test_every_block_is_run():
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    for page in sorted(pages - TESTED_ELSEWHERE):
+        assert list(blocks(page)) == PAGES.get(page, []), f"{page}: update PAGES and its test"
+
+
+def test_quickstart():
+    """The page's blocks in order, in one namespace, as a reader runs them."""
+    from flax import nnx
+
+    ns = run("quickstart.md", "quick start", "run it")
+    params, queries, docs = ns["params"], ns["queries"], ns["docs"]
+    want_loss, want_grads = full_value_and_grad(ns["loss_fn"], ns["encode"], params, queries, docs)
+    want_params = adamw_step(params, want_grads)
+    chex.assert_trees_all_close(ns["loss"], want_loss, **TOL)
+    chex.assert_trees_all_close(ns["new_params"], want_params, **TOL)
+
+    params = jax.tree.map(jnp.copy, params)  # the next block donates the state's buffers
+    run("quickstart.md", "a full training step", namespace=ns)
+    chex.assert_trees_all_close(ns["metrics"]["loss"], want_loss, **TOL)
+    chex.assert_trees_all_close(ns["state"].params, want_params, **TOL)
+
+    run("quickstart.md", "bring your own step: a plain optax loop", namespace=ns)
+    tx = ns["tx"]
+    new_params, _, loss = ns["my_step"](params, tx.init(params), queries, docs, None)
+    updates, _ = tx.update(want_grads, tx.init(params), params)
+    chex.assert_trees_all_close(loss, want_loss, **TOL)
+    chex.assert_trees_all_close(new_params, optax.apply_updates(params, updates), **TOL)
+
+    reference = nnx.Linear(8, 4, rngs=nnx.Rngs(0))  # the next block's model, before its step
+    nnx_params = nnx.state(reference, nnx.Param)
+    want_loss, want_grads = full_value_and_grad(
+        ns["loss_fn"], gc_jax.nnx_encoder(reference), nnx_params, queries, docs
+    )
+    run("quickstart.md", "bring your own step: nnx", namespace=ns)
+    chex.assert_trees_all_close(ns["value"], want_loss, **TOL)
+    got = jax.tree.leaves(nnx.state(ns["model"], nnx.Param))
+    chex.assert_trees_all_close(got, jax.tree.leaves(adamw_step(nnx_params, want_grads)), **TOL)
+
+
+def test_largest_chunk_size_on_a_compile_only_tpu():
+    """Needs libtpu (the ``tpu`` extra), as tests/test_tpu.py does: fails without it."""
+    from flax.training.train_state import TrainState
+
+    ns = run("quickstart.md", "quick start")
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (8, 16)), "w2": jax.random.normal(k2, (16, 4))}
+    ns["state"] = TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-3))
+    ns["queries"] = ns["docs"] = jax.random.normal(k3, (4096, 8))
+    run("chunk_size.md", "largest chunk size", namespace=ns)
+    # This model's full batch of 4,096 rows takes a few MiB: the largest candidate fits.
+    assert ns["chip"].platform == "tpu"
+    assert ns["chunk"] == 4096
+
+
+def test_token_budget(capsys):
+    ns = run("token_budgets.md", "token budget", "run it")
+    want = full_value_and_grad(ns["loss_fn"], ns["encode"], ns["params"], ns["queries"], ns["docs"])
+    chex.assert_trees_all_close((ns["loss"], ns["grads"]), want, **TOL)
+    shapes = capsys.readouterr().out.strip()
+    assert shapes == "((256, 32), (128, 64), (64, 128), (32, 256))"
+    assert f"(above: `{shapes}`)" in (DOCS / "token_budgets.md").read_text()
+
+
+def test_scaling_out():
+    ns = run("scaling_out.md", "setup")
+    want = full_value_and_grad(ns["loss_fn"], ns["encode"], ns["params"], ns["queries"], ns["docs"])
+    for name in PAGES["scaling_out.md"][1:]:
+        ns.pop("loss", None)
+        run("scaling_out.md", name, namespace=ns)
+        chex.assert_trees_all_close((ns["loss"], ns["grads"]), want, **TOL)
+
+
+def test_losses_inside_shard_map():
+    ns = run("losses.md", "setup", "the losses inside shard_map")
+    loss = lambda x, y, t: gc_jax.losses.contrastive_loss(x, y, temperature=t)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(ns["x"], ns["y"], 0.05)
+    chex.assert_trees_all_close((ns["value"], (ns["dx"], ns["dy"], ns["dt"])), want, **TOL)
+
+
+def test_blockwise_loss():
+    ns = run("losses.md", "setup", "blockwise")
+    dense = lambda x, y: gc_jax.losses.clip_loss(x, y, jnp.log(1 / 0.07))
+    want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1)))(ns["x"], ns["y"])
+    assert ns["x"].shape[0] % 96, "the page says 96 does not divide the batch"
+    chex.assert_trees_all_close((ns["value"], (ns["dx"], ns["dy"])), want, **TOL)
+
+
+def test_ring_loss():
+    ns = run("losses.md", "setup", "ring")
+    loss = lambda x, y: gc_jax.losses.sigmoid_loss(x, y, jnp.log(10.0), -10.0)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(ns["x"], ns["y"])
+    chex.assert_trees_all_close((ns["value"], (ns["dx"], ns["dy"])), want, **TOL)
+
+
+def test_your_own_distributed_loss():
+    ns = run("losses.md", "setup", "your own distributed loss")
+    x, y = ns["x"], ns["y"]
+    full = lambda w: jnp.mean(jnp.sum((jnp.tanh(x @ w) - jnp.tanh(y @ w)) ** 2, axis=1))
+    want = jax.jit(jax.value_and_grad(full))(ns["w"])
+    chex.assert_trees_all_close((ns["value"], ns["dw"]), want, **TOL)
+
+
+def test_porting_the_gradcache_class():
+    from flax import nnx
+
+    towers = [nnx.Linear(8, 4, rngs=nnx.Rngs(seed)) for seed in (0, 1)]  # the block's, fresh
+    params = tuple(nnx.state(t, nnx.Param) for t in towers)
+    ns = run("porting.md", "GradCache class")
+    encoders = [gc_jax.nnx_encoder(t) for t in towers]
+    total = lambda p: gc_jax.losses.contrastive_loss(
+        encoders[0](p[0], ns["xx"], None), encoders[1](p[1], ns["yy"], None)
+    )
+    want_loss, want_grads = jax.jit(jax.value_and_grad(total))(params)
+    chex.assert_trees_all_close(ns["loss"], want_loss, **TOL)
+    chex.assert_trees_all_close(jax.tree.leaves(ns["grads"]), jax.tree.leaves(want_grads), **TOL)
+    # Adam's first step moves every weight by about the learning rate: both towers moved.
+    moved = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(a - b))),
+        [nnx.state(t, nnx.Param) for t in (ns["enc1"], ns["enc2"])],
+        list(params),
+    )
+    assert all(1e-4 < m < 2e-3 for m in jax.tree.leaves(moved)), moved
+
+
+def test_porting_cachex():
+    ns = run("porting.md", "cachex")
+    qq, pp, fwd_fn = ns["qq"], ns["pp"], ns["fwd_fn"]
+
+    def plain(p, chunks):  # no caching: each chunk with its own key, concatenated
+        n = chunks["x"].shape[0]
+        return jnp.concatenate([fwd_fn(p, jax.tree.map(itemgetter(c), chunks)) for c in range(n)])
+
+    total = lambda p: ns["loss_fn"](plain(p, qq), plain(p, pp))
+    want = jax.jit(jax.value_and_grad(total))(ns["params"])
+    chex.assert_trees_all_close((ns["loss"], ns["grads"]), want, **TOL)
+
+
+def test_correctness_checks():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run("correctness.md", "check your model", "a model that mixes rows")
+    # The first block passes (it raises otherwise); the second prints the error.
+    assert out.getvalue().startswith(
+        "gradient caching with chunk_size=8 differs from the full batch. Does the model mix rows"
+    ), out.getvalue()
