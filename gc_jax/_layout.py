@@ -92,6 +92,20 @@ class Layout(NamedTuple):
             return jax.sharding.reshard(v, sharding)
         return jax.lax.with_sharding_constraint(v, sharding)
 
+    def place_like(self, buf: jax.Array, like: Any) -> jax.Array:
+        """A batch-sized ``buf`` for chunks typed like ``like`` (a ``ShapeDtypeStruct``
+        of one chunk's output): rows split like the batch, other dims as ``like``'s
+        explicit type (e.g. rows sharded within the chunks of a pre-chunked batch, or
+        an embedding dim over a model axis), so writing a chunk needs no reshard."""
+        sharding = getattr(like, "sharding", None)
+        spec = tuple(getattr(sharding, "spec", None) or ())
+        rest = (*spec[1:], *(None,) * buf.ndim)[: buf.ndim - 1]
+        if self.mesh is not None:
+            return self.place(buf, PartitionSpec(self.axes, *rest) if any(rest) else None)
+        if not any(a is not None for a in rest) or not hasattr(sharding, "mesh"):
+            return buf
+        return jax.sharding.reshard(buf, NamedSharding(sharding.mesh, PartitionSpec(None, *rest)))
+
     @property
     def per_device(self) -> bool:
         """Whether the rows are split over devices under ``jit`` (see :func:`stack`)."""

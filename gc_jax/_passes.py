@@ -184,7 +184,7 @@ def output_shapes(inp: Input, params: PyTree) -> PyTree:
 def _cache_like(shapes: PyTree, cache_dtype: Any) -> PyTree:
     def one(r):
         dtype = cache_dtype if cache_dtype is not None and is_inexact(r) else r.dtype
-        return jax.ShapeDtypeStruct(r.shape, dtype)
+        return jax.ShapeDtypeStruct(r.shape, dtype, sharding=getattr(r, "sharding", None))
 
     return jax.tree.map(one, shapes)
 
@@ -234,7 +234,7 @@ def _zeros(like: PyTree, plan: _plan.Plan, *vary_like: PyTree) -> PyTree:
 
     def one(r):
         buf = jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype)
-        return plan.layout.place(_distributed.vary_like(buf, *vary_like))
+        return plan.layout.place_like(_distributed.vary_like(buf, *vary_like), r)
 
     return jax.tree.map(one, like)
 

@@ -1,12 +1,10 @@
-"""gc_jax.cachex under sharded jit: what its docstring says works, and what not yet.
+"""gc_jax.cachex under sharded jit: every form its docstring says works.
 
 ``jax.make_mesh``'s axes are explicit on current JAX; the batch is placed with
-``NamedSharding(mesh, P("data"))`` and the step is a plain sharded ``jax.jit`` without
-``jax.set_mesh``, as users first write it (the last test: the same under auto axes).
-Each working form is compared with the unsharded full-batch ``jax.value_and_grad``.
-The forms the docstring says do not work yet are ``xfail(strict=True)``: when one
-starts working, its test fails, so that the docstring of ``gc_jax.cachex`` is updated
-with it.
+``NamedSharding(mesh, P("data"))`` (or within its chunks, ``P(None, "data")``) and the
+step is a plain sharded ``jax.jit`` without ``jax.set_mesh``, as users first write it
+(the last test: the same under auto axes). Each form is compared with the unsharded
+full-batch ``jax.value_and_grad``.
 """
 
 import functools
@@ -74,12 +72,6 @@ def test_tree_chunk_names_the_shards_it_needs():
         jax.jit(lambda b: cachex.tree_chunk(b, 4))(place(mesh, q, P("data")))
 
 
-NOT_YET = pytest.mark.xfail(
-    strict=True, reason="not supported yet under explicit axes (gc_jax.cachex docstring)"
-)
-
-
-@NOT_YET
 def test_grad_cached_on_a_batch_sharded_within_its_chunks():
     mesh, params, q, d, want = setup()
     cached = cachex.grad_cached(fwd, None)
@@ -99,15 +91,15 @@ def chunk_encode_cache_grad(p, qq, dd):
     return value, cachex.cache_grad(enc)(p, grads, gd, x=dd["x"])
 
 
-@NOT_YET
-def test_chunk_encode_and_cache_grad_on_a_sharded_batch():
+@pytest.mark.parametrize("spec", [P("data"), P(None, "data")], ids=["over chunks", "within"])
+def test_chunk_encode_and_cache_grad_on_a_sharded_batch(spec):
     mesh, params, q, d, want = setup()
-    qq, dd = (place(mesh, cachex.tree_chunk(b, 8), P("data")) for b in (q, d))
+    qq, dd = (place(mesh, cachex.tree_chunk(b, 8), spec) for b in (q, d))
     chex.assert_trees_all_close(jax.jit(chunk_encode_cache_grad)(params, qq, dd), want, **TOL)
 
 
 def test_chunk_encode_and_cache_grad_unsharded():
-    """The same program on one device: the xfail above is the sharding, not the program."""
+    """The same program on one device."""
     _, params, q, d, want = setup()
     qq, dd = cachex.tree_chunk(q, 8), cachex.tree_chunk(d, 8)
     chex.assert_trees_all_close(jax.jit(chunk_encode_cache_grad)(params, qq, dd), want, **TOL)

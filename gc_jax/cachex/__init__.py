@@ -35,12 +35,10 @@ Differences from the original:
   ``grad_cached``, ``chunk_encode`` and ``cache_grad`` work on a batch sharded along
   its rows, however it is chunked. Under explicit axes
   (``AxisType.Explicit``, ``jax.make_mesh``'s default), with or without
-  ``jax.set_mesh``, ``grad_cached`` works when each device holds whole chunks of its
-  own rows: ``tree_chunk`` inside the ``jit`` with ``n_chunk`` a multiple of the
-  number of shards (else it raises a ``ValueError`` saying so), or a pre-chunked batch
-  placed with ``P("data")`` (the chunk axis sharded). Not yet (JAX raises a sharding
-  type error): a pre-chunked batch sharded within its chunks (``P(None, "data")``),
-  and ``chunk_encode``/``cache_grad`` on a sharded batch.
+  ``jax.set_mesh``, every form works on a pre-chunked batch sharded over its chunks
+  (``P("data")``: each device encodes its own chunks) or within them
+  (``P(None, "data")``), and ``tree_chunk`` inside the ``jit`` works when ``n_chunk``
+  is a multiple of the number of shards (else it raises a ``ValueError`` saying so).
 * Encoders may return pytrees of arrays; integer outputs and inputs (ids, masks,
   raw or typed per-chunk dropout keys) get no gradient.
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from gc_jax import _chunked_encoder, _passes, _validation
 from gc_jax._base import PyTree
-from gc_jax.cachex.tree_utils import tree_unchunk
+from gc_jax.cachex.tree_utils import merge_chunks, tree_unchunk
 
 Array = jax.Array
 
@@ -48,10 +48,15 @@ def _num_chunks(tree: PyTree, name: str) -> int:
     return _validation.leading_size(tree, name, axis="chunk", hint=hint)
 
 
-def _input(encode, xx: PyTree, name: str) -> _passes.Input:
-    """The passes' view of pre-chunked inputs: one "row" per chunk, one row per pass chunk."""
+def _input(encode, xx: PyTree, name: str, params: PyTree = ()) -> _passes.Input:
+    """The passes' view of pre-chunked inputs: one "row" per chunk, one row per pass chunk.
+
+    Under ``jit`` over chunks sharded across devices, each device encodes its own
+    chunks (``_passes.per_device``), as ``grad_cached`` does through ``chunked_encoder``.
+    """
     _num_chunks(xx, "xx")
-    return _passes.make_input(encode, xx, 1, None, name=name, batch_name="xx")
+    inp = _passes.make_input(encode, xx, 1, None, name=name, batch_name="xx")
+    return _passes.per_device([inp], params)[0]
 
 
 def grad_with_cache(f: Callable[..., PyTree], **grad_kwargs: Any) -> Callable[..., PyTree]:
@@ -155,7 +160,7 @@ def cache_grad(encode_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         return _as_row(encode_fn(params=params, **_chunk_of(chunk)))
 
     def f(params, grad_accumulator, cached_grad, **xx):
-        inp = _input(encode, xx, "encode_fn")
+        inp = _input(encode, xx, "encode_fn", params)
         shapes = _passes.output_shapes(inp, params)
         n_chunk = inp.plan.batch_size
         if jax.tree.structure(cached_grad) != jax.tree.structure(shapes):
@@ -343,6 +348,6 @@ def grad_cached(
     def cached_f(params, batch):
         _num_chunks(batch, "batch")
         reps = encode_batch(params, batch)
-        return jax.tree.map(lambda r: r.reshape(-1, *r.shape[2:]), reps)
+        return jax.tree.map(lambda r: merge_chunks(r, 0), reps)
 
     return cached_f

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gc_jax import _layout, _validation
 from gc_jax._base import PyTree
@@ -143,8 +144,24 @@ def tree_unchunk(tree: PyTree, axis: int = 0) -> PyTree:
                 "by tree_chunk)."
             )
 
-    def one(x):
-        ax = axis + x.ndim if axis < 0 else axis
-        return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
+    return jax.tree.map(lambda x: merge_chunks(x, axis + x.ndim if axis < 0 else axis), tree)
 
-    return jax.tree.map(one, tree)
+
+def merge_chunks(x: jax.Array, ax: int) -> jax.Array:
+    """``x`` with axes ``ax`` (chunks) and ``ax + 1`` (rows) merged, in order.
+
+    Under explicit mesh axes, rows split over devices within each chunk (the chunk
+    axis not split) are first moved so that each device holds whole chunks (an
+    all-to-all); their rows are then a contiguous block of the merged axis, so the
+    reshape keeps the split (JAX cannot infer it for the split inner axis).
+    """
+    shape = (*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
+    spec = (*_layout.typed_spec(x), *(None,) * x.ndim)[: x.ndim]
+    if spec[ax] is not None or spec[ax + 1] is None:
+        return x.reshape(shape)
+    moved = (*spec[:ax], spec[ax + 1], None, *spec[ax + 2 :])
+    x = _layout.reshard_typed(x, PartitionSpec(*moved))
+    out = NamedSharding(
+        jax.typeof(x).sharding.mesh, PartitionSpec(*moved[: ax + 1], *moved[ax + 2 :])
+    )
+    return jax.lax.reshape(x, shape, out_sharding=out)
