@@ -104,8 +104,9 @@ def _place(device: jax.Device | Mesh | None, args: PyTree) -> PyTree:
             isinstance(sharding, NamedSharding) and sharding.mesh == device
         ):
             sharding = NamedSharding(device, P())  # replicated over the mesh
-        x = x if hasattr(x, "dtype") else np.asarray(x)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        # A Python scalar (TrainState.step) is typed as JAX types it: weakly, canonical.
+        dtype = x.dtype if hasattr(x, "dtype") else jax.eval_shape(jnp.asarray, x).dtype
+        return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
 
     return jax.tree.map(abstract, args)
 
