@@ -7,7 +7,14 @@ float32; compute runs in ``compute_dtype`` (bfloat16 by default), so the towers'
 outputs (the representations) are bfloat16. Weights are random: the benchmarks
 measure memory and time, not accuracy.
 
-Inputs per tower: ``{"ids": int32[B, T], "mask": bool[B, T]}``.
+Inputs per tower: ``{"ids": int32[B, T], "mask": bool[B, T]}``; masks are prefixes
+(right padding), as ``random_batch`` makes them.
+
+Attention (``BertConfig.attention``) is ``jax.nn.dot_product_attention``'s default XLA
+implementation unless asked otherwise: ``"cudnn"`` is cuDNN's fused (flash) attention,
+GPU only, bfloat16 or float16 compute, the padding given as key lengths; ``"xla_remat"``
+is the XLA implementation under ``jax.checkpoint``, so that only its inputs are saved
+for the backward pass (what a fused kernel keeps, on any backend).
 """
 
 from __future__ import annotations
@@ -35,6 +42,17 @@ class BertConfig:
     query_len: int = 32
     passage_len: int = 128
     compute_dtype: Any = jnp.bfloat16
+    attention: str = "xla"
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION}")
+        if self.attention == "cudnn" and jnp.dtype(self.compute_dtype).itemsize != 2:
+            raise ValueError(
+                f"attention='cudnn' with compute_dtype={jnp.dtype(self.compute_dtype).name}: "
+                "cuDNN's fused attention takes bfloat16 or float16; use attention='xla' "
+                "(or 'xla_remat') for float32"
+            )
 
     def num_params(self) -> int:
         """Parameters of one tower."""
@@ -46,10 +64,12 @@ class BertConfig:
         return (
             f"two towers of {self.layers} layers, width {self.width}, {self.heads} heads, "
             f"MLP {self.mlp} ({self.num_params() / 1e6:.1f} M float32 parameters each), "
-            f"{jnp.dtype(self.compute_dtype).name} compute; queries {self.query_len} and "
-            f"passages {self.passage_len} tokens (int32 ids, bool mask)"
+            f"{jnp.dtype(self.compute_dtype).name} compute, {self.attention} attention; queries "
+            f"{self.query_len} and passages {self.passage_len} tokens (int32 ids, bool mask)"
         )
 
+
+ATTENTION = ("xla", "cudnn", "xla_remat")
 
 # A 2-layer model of the same shape, for quick runs and tests on a CPU.
 TINY = BertConfig(vocab=512, layers=2, width=64, heads=4, mlp=128, query_len=8, passage_len=16)
@@ -108,13 +128,28 @@ def _apply(p, x, dtype):
     return x @ p["w"].astype(dtype) + p["b"].astype(dtype)
 
 
+def _xla_attention(q, k, v, mask):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :])
+
+
+def _attention(kind: str, q, k, v, mask):
+    if kind == "cudnn":  # the padding as key lengths: the same values for a prefix mask
+        lengths = mask.sum(-1, dtype=jnp.int32)
+        return jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"
+        )
+    if kind == "xla_remat":
+        return jax.checkpoint(_xla_attention)(q, k, v, mask)
+    return _xla_attention(q, k, v, mask)
+
+
 def block(cfg: BertConfig, p: Params, h: jax.Array, mask: jax.Array) -> jax.Array:
     """One post-LN Transformer block."""
     b, t, _ = h.shape
     dt, hd = cfg.compute_dtype, cfg.width // cfg.heads
     q, k, v = jnp.split(_apply(p["qkv"], h, dt), 3, axis=-1)
     q, k, v = (a.reshape(b, t, cfg.heads, hd) for a in (q, k, v))
-    att = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :])
+    att = _attention(cfg.attention, q, k, v, mask)
     h = _layer_norm(p["norm1"], h + _apply(p["out"], att.reshape(b, t, cfg.width), dt))
     mlp = _apply(p["mlp_out"], jax.nn.gelu(_apply(p["mlp_in"], h, dt)), dt)
     return _layer_norm(p["norm2"], h + mlp)

@@ -13,8 +13,14 @@ Modes:
   that fits them all (median step time and peak memory of each);
 * ``--grow B1 B2 ...``: gc_jax alone at growing batches, until one fails (out of
   memory) or ``--budget-s`` runs out: the largest batch it trains;
-* ``--compile-only B1 ...``: compiled memory (``memory_analysis()``) of gc_jax on
-  this backend, nothing run.
+* ``--compile-only B1 ...``: compiled memory (``memory_analysis()``) of gc_jax (or of
+  ``--compile-variants``) on this backend, nothing run, and the bytes per row added
+  between the last two batches.
+
+The parent process never touches the device: compiling there would autotune on the
+GPU, through an allocator that by default reserves 75 % of the device for as long as
+the process lives, and leave the children the rest (``--compile-only`` did so before).
+``--attention cudnn`` runs every variant with cuDNN's fused attention (bfloat16, GPU).
 
 On a CPU use ``--tiny`` (a 2-layer model) to check that the script works.
 
@@ -27,11 +33,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +51,7 @@ import jax.numpy as jnp
 from benchmarks import bert, common
 
 GIB = 2**30
+VARIANTS = ("gc_jax", "full batch", "per-layer remat")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", type=int, help="batch for gc_jax vs full batch vs remat")
     p.add_argument("--grow", type=int, nargs="*", default=[], help="gc_jax batches, growing")
     p.add_argument("--compile-only", type=int, nargs="*", default=[])
+    p.add_argument("--compile-variants", nargs="+", default=["gc_jax"], choices=VARIANTS)
+    p.add_argument("--attention", default="xla", choices=bert.ATTENTION)
+    p.add_argument("--buffers", type=int, default=0, help="--compile-only: N largest temp shapes")
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--grow-chunk", type=int, default=128, help="chunk for --grow")
     p.add_argument("--block", type=int, default=4096)
@@ -60,9 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def peak_bytes() -> int | None:
+def memory_stats() -> dict:
+    """The device's peak bytes in use and the allocator's limit (None on a CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    return {"peak_bytes": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit")}
 
 
 def worker(args: argparse.Namespace, cfg: bert.BertConfig) -> None:
@@ -87,7 +102,7 @@ def worker(args: argparse.Namespace, cfg: bert.BertConfig) -> None:
             "variant": args.worker, "batch": rows, "chunk": chunk, "loss": float(loss),
             "finite": bool(jnp.isfinite(loss)), "first_s": first,
             "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "peak_bytes": peak_bytes(), "device": str(jax.devices()[0].device_kind),
+            **memory_stats(), "device": str(jax.devices()[0].device_kind),
         }), flush=True)  # fmt: skip
         if time.perf_counter() - start > args.budget_s:
             break
@@ -98,6 +113,8 @@ def run_child(args: argparse.Namespace, variant: str, batches: list[int], timeou
            "--batches", *map(str, batches), "--chunk", str(args.chunk),
            "--grow-chunk", str(args.grow_chunk), "--block", str(args.block),
            "--steps", str(args.steps), "--budget-s", str(args.budget_s),
+           "--attention", args.attention, "--compile-variants", *args.compile_variants,
+           "--buffers", str(args.buffers),
            *(["--tiny"] if args.tiny else [])]  # fmt: skip
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
     try:
@@ -113,7 +130,7 @@ def run_child(args: argparse.Namespace, variant: str, batches: list[int], timeou
             [],
         )
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    for r in rows:
+    for r in rows if variant != "compile" else []:
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / GIB:.2f} GiB"
         print(f"  {r['variant']:18s} B={r['batch']:>7d} chunk {r['chunk']:>4d}: median "
               f"{r['median_s'] * 1e3:9.1f} ms (min {r['min_s'] * 1e3:.1f}, max "
@@ -126,33 +143,83 @@ def run_child(args: argparse.Namespace, variant: str, batches: list[int], timeou
     return rows
 
 
-def compile_only(args: argparse.Namespace, cfg: bert.BertConfig) -> list:
+def compile_only(args: argparse.Namespace, cfg: bert.BertConfig) -> None:
+    """Child process: compiled memory of each variant at each batch; one JSON line each."""
     params = bert.abstract_params(cfg)
-    step = bert.steps(cfg, args.chunk, args.block)["gc_jax"]
+    for variant in args.compile_variants:
+        step = bert.steps(cfg, args.chunk, args.block)[variant]
+        for rows in args.batches:
+            q = bert.abstract_batch(cfg, rows, cfg.query_len)
+            p = bert.abstract_batch(cfg, rows, cfg.passage_len)
+            with tempfile.TemporaryDirectory() as dump:
+                options = {"xla_dump_to": dump} if args.buffers else None
+                m = jax.jit(step).lower(params, q, p).compile(options).memory_analysis()
+                largest = temp_shapes(dump)[: args.buffers] if args.buffers else []
+            total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            print(json.dumps({"variant": variant, "batch": rows, "chunk": args.chunk,
+                              "total_bytes": total, "temp_bytes": m.temp_size_in_bytes,
+                              "argument_bytes": m.argument_size_in_bytes,
+                              "output_bytes": m.output_size_in_bytes,
+                              "device": jax.devices()[0].device_kind,
+                              "largest_temp_shapes": largest}), flush=True)  # fmt: skip
+
+
+_VALUE = re.compile(r"value: <\d+ \S+ @\d+> \(size=(\d+),offset=(\d+)\): (\S+?)\{")
+
+
+def temp_shapes(dump: str) -> list[tuple[str, int, int]]:
+    """``(shape, bytes, values)`` per shape in the buffer assignment's temp allocation,
+    largest first: the bytes of the union of the ranges its values occupy (values of one
+    shape that reuse the same bytes count once; ranges shared by shapes count for each)."""
+    found = glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")
+    text = Path(found[0]).read_text() if found else ""
+    temp = re.search(r"^allocation \d+: size \d+,[^\n]*preallocated-temp:\n((?: value:.*\n)*)",
+                     text, re.M)  # fmt: skip
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for size, offset, shape in _VALUE.findall(temp[1] if temp else ""):
+        ranges.setdefault(shape, []).append((int(offset), int(offset) + int(size)))
     out = []
-    for rows in args.compile_only:
-        q = bert.abstract_batch(cfg, rows, cfg.query_len)
-        p = bert.abstract_batch(cfg, rows, cfg.passage_len)
-        m = jax.jit(step).lower(params, q, p).compile().memory_analysis()
-        total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-        sizes = (m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes, total)
-        args_, temp, outs, total_ = (x / GIB for x in sizes)
-        print(f"  compiled gc_jax B={rows} chunk {args.chunk}: args {args_:.2f} GiB, temp "
-              f"{temp:.2f}, outputs {outs:.2f}, total {total_:.2f} GiB", flush=True)  # fmt: skip
-        out.append({"batch": rows, "total_bytes": total, "temp_bytes": m.temp_size_in_bytes})
-    return out
+    for shape, spans in ranges.items():
+        covered, end = 0, -1
+        for a, b in sorted(spans):
+            covered += max(0, b - max(a, end))
+            end = max(end, b)
+        out.append((shape, covered, len(spans)))
+    return sorted(out, key=lambda x: -x[1])
+
+
+def show_compiled(rows: list) -> None:
+    for r in rows:
+        sizes = (r[f"{k}_bytes"] / GIB for k in ("argument", "temp", "output", "total"))
+        chunk = f" chunk {r['chunk']}" if r["variant"] == "gc_jax" else ""
+        print("  compiled {} B={}{}: args {:.2f} GiB, temp {:.2f}, outputs {:.2f}, total {:.2f} "
+              "GiB".format(r["variant"], r["batch"], chunk, *sizes), flush=True)  # fmt: skip
+        for shape, size, count in r.get("largest_temp_shapes", []):
+            print(f"    {size / 2**20:10.1f} MiB  {shape} ({count} values)")
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        if len(mine) >= 2:
+            a, b = mine[-2], mine[-1]
+            per_row = (b["total_bytes"] - a["total_bytes"]) / (b["batch"] - a["batch"])
+            print(
+                f"  {variant}: {per_row / 2**20:.2f} MiB per row (B={a['batch']} to {b['batch']})"
+            )
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = bert.TINY if args.tiny else bert.BertConfig()
+    cfg = dataclasses.replace(cfg, attention=args.attention)
+    if args.worker == "compile":
+        return compile_only(args, cfg)
     if args.worker:
         return worker(args, cfg)
-    print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
-          f"{cfg.describe()}; blockwise loss block {args.block}", flush=True)  # fmt: skip
+    # No jax.devices() here: the device is the children's (each row names it).
+    print(f"JAX {jax.__version__}; {cfg.describe()}; blockwise loss block {args.block}", flush=True)
     results: dict = {}
     if args.compile_only:
-        results["compile_only"] = compile_only(args, cfg)
+        results["compile_only"] = run_child(args, "compile", args.compile_only, args.budget_s)
+        show_compiled(results["compile_only"])
     if args.compare:
         print(f"compare at B={args.compare} (gc_jax chunk {args.chunk}), {args.steps} timed steps:")
         results["compare"] = [

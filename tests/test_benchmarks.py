@@ -56,7 +56,13 @@ def test_out_of_memory_messages_are_read_in_any_unit():
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = ROOT / "benchmarks" / "README.md"
-SHARED = {"__init__.py", "common.py", "bert.py", "example_modules.py"}  # not scripts
+SHARED = {
+    "__init__.py",
+    "common.py",
+    "bert.py",
+    "torch_bert.py",
+    "example_modules.py",
+}  # not scripts
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in SHARED)
 # Files that still give an old command (`python benchmarks/x.py`, `PYTHONPATH=.`), each with
 # who changes it; the test fails when one no longer does, so that it is removed here.
@@ -119,3 +125,117 @@ def test_buffer_assignment_reads_both_libtpu_formats():
     assert common.preallocated_temps(new) == {0: 100, 1: 5, 2: 3}
     with pytest.raises(ValueError, match="format changed"):
         common.preallocated_temps("allocation 1: size 4, page 0, parameter 0")
+
+
+# --- gc_jax against PyTorch GradCache (the JAX side; the PyTorch side needs torch) -------
+
+
+def test_vs_pytorch_jax_side_writes_its_figures(tmp_path):
+    """The whole script on this CPU, JAX only: one worker process, its figures in the JSON."""
+    from benchmarks import bert, vs_pytorch
+
+    out = tmp_path / "vs.json"
+    vs_pytorch.main(["--tiny", "--frameworks", "jax", "--precisions", "fp32", "--batches", "16",
+                     "--steps", "2", "--no-same-weights", "--json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["model"]["layers"] == bert.TINY.layers and result["chunk"] == 8
+    assert result["command"].startswith("python -m benchmarks.vs_pytorch --tiny")
+    (run,) = result["runs"]
+    assert run["status"] == "ok", run
+    assert (run["framework"], run["precision"], run["batch"]) == ("jax", "fp32", 16)
+    assert len(run["times_s"]) == 2 and run["min_s"] <= run["median_s"] <= run["max_s"]
+    assert run["loss"] > 0 and run["grad_norm"] > 0 and run["attention"] == "xla"
+    assert run["compiled_bytes"]["temp"] > 0 and run["compile_s"] > 0
+    assert run["peak_bytes"] is None and run["host_peak_rss_bytes"] > 0  # a CPU: no device peak
+
+
+def test_vs_pytorch_weights_map_to_bert_model_and_back():
+    """bert.py's parameters as a transformers.BertModel state dict ([out, in] weights, the
+    fused qkv split in order) and back, exactly; NumPy only."""
+    import jax
+    import numpy as np
+
+    from benchmarks import bert, torch_bert, vs_pytorch
+
+    flat = {k: np.asarray(v) for k, v in vs_pytorch._flatten(
+        bert.init_params(bert.TINY, jax.random.key(1))).items()}  # fmt: skip
+    w, layers = bert.TINY.width, bert.TINY.layers
+    for tower in ("query", "passage"):
+        sd = torch_bert.to_hf(flat, tower, layers)
+        assert len(sd) == 4 + 16 * layers  # BertModel's, less token types and the pooler
+        qkv = flat[f"{tower}/layers/1/qkv/w"]
+        np.testing.assert_array_equal(sd["encoder.layer.1.attention.self.key.weight"],
+                                      qkv[:, w : 2 * w].T)  # fmt: skip
+        assert sd["encoder.layer.0.intermediate.dense.weight"].shape == (bert.TINY.mlp, w)
+        back = torch_bert.from_hf(sd, tower, layers)
+        mine = {k: v for k, v in flat.items() if k.startswith(tower + "/")}
+        assert back.keys() == mine.keys()
+        for k in mine:
+            np.testing.assert_array_equal(back[k], mine[k], err_msg=k)
+
+
+def test_vs_pytorch_workers_share_weights_and_batches(tmp_path):
+    """The exported weights load as drawn; every worker draws the same batches."""
+    import jax
+    import numpy as np
+
+    from benchmarks import bert, vs_pytorch
+
+    weights = tmp_path / "w.npz"
+    vs_pytorch.export_worker(vs_pytorch.parse_args(["--tiny", "--weights", str(weights)]))
+    loaded = vs_pytorch._jax_params(bert.TINY, str(weights))
+    drawn = bert.init_params(bert.TINY, jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, loaded, drawn)
+    sizes = {"query_len": 8, "passage_len": 16, "vocab": 512}
+    (q1, p1), (q2, p2) = vs_pytorch.batches(sizes, 32), vs_pytorch.batches(sizes, 32)
+    for a, b in ((q1, q2), (p1, p2)):
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert q1["ids"].shape == (32, 8) and p1["mask"].shape == (32, 16)
+    assert (p1["mask"].sum(1) >= 4).all() and not (q1["ids"] == p1["ids"][:, :8]).all()
+
+
+def test_vs_pytorch_batches_must_be_whole_chunks(capsys):
+    from benchmarks import vs_pytorch
+
+    with pytest.raises(SystemExit):
+        vs_pytorch.parse_args(["--batches", "100", "--chunk", "64"])
+    assert "each a multiple of --chunk 64" in capsys.readouterr().err
+
+
+def test_bert_attention_options():
+    """``xla_remat`` gives the XLA attention's loss and gradients; cuDNN's needs 16-bit
+    compute; anything else is refused."""
+    import dataclasses
+
+    import chex
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bert
+
+    cfg = dataclasses.replace(bert.TINY, compute_dtype=jnp.float32)
+    params = bert.init_params(cfg, jax.random.key(0))
+    key = jax.random.key(1)
+    q = bert.random_batch(cfg, 8, cfg.query_len, key)
+    p = bert.random_batch(cfg, 8, cfg.passage_len, jax.random.fold_in(key, 1))
+    step = lambda c: jax.jit(bert.steps(c, 4)["full batch"])(params, q, p)
+    chex.assert_trees_all_close(step(cfg), step(dataclasses.replace(cfg, attention="xla_remat")),
+                                rtol=1e-5, atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="cuDNN's fused attention takes bfloat16"):
+        dataclasses.replace(cfg, attention="cudnn")
+    with pytest.raises(ValueError, match="attention='flash'"):
+        bert.BertConfig(attention="flash")
+
+
+def test_gpu_step_compile_child_reports_each_variant(capsys):
+    """``--compile-only`` runs in a child (this is its worker): compiled bytes of the
+    variant at each batch, and the largest shapes of the temp allocation from XLA's dump."""
+    gpu_step.main(["--tiny", "--worker", "compile", "--batches", "16", "--compile-variants",
+                   "gc_jax", "--chunk", "8", "--buffers", "3"])  # fmt: skip
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["variant"] for r in rows] == ["gc_jax"]
+    for r in rows:
+        assert r["temp_bytes"] > 0 and r["total_bytes"] > r["temp_bytes"]
+        assert 1 <= len(r["largest_temp_shapes"]) <= 3
+        sizes = [size for _, size, _ in r["largest_temp_shapes"]]
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] <= r["temp_bytes"]
