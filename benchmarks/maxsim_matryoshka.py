@@ -119,13 +119,17 @@ def matryoshka_cost(args) -> dict:
     """Full-width contrastive_loss against matryoshka over ``--mrl-dims`` (blockwise)."""
     rows, width = args.mrl_rows, args.mrl_dims[0]
 
-    def grad(dims):
+    def grad(dims, normalize=True):
         loss = functools.partial(contrastive_loss, temperature=0.05, block_size=args.mrl_block)
-        loss = loss if dims is None else matryoshka(loss, dims)
+        loss = loss if dims is None else matryoshka(loss, dims, normalize=normalize)
         return jax.jit(jax.value_and_grad(loss, (0, 1)))
 
-    grads = {"single width": grad(None), f"matryoshka {len(args.mrl_dims)} widths": grad(
-        tuple(args.mrl_dims))}  # fmt: skip
+    n, dims = len(args.mrl_dims), tuple(args.mrl_dims)
+    grads = {
+        "single width": grad(None),
+        f"matryoshka {n} widths": grad(dims),
+        f"matryoshka {n} widths, normalize=False": grad(dims, normalize=False),
+    }
     shape = jax.ShapeDtypeStruct((rows, width), jnp.float32)
     kx, ky = jax.random.split(jax.random.key(1))
     x, y = jax.random.normal(kx, (rows, width)), jax.random.normal(ky, (rows, width))
@@ -138,7 +142,7 @@ def matryoshka_cost(args) -> dict:
         wall = times.wall[name]
         out[name] = {"temp_mib": temp_mib(g, shape, shape), "median_s": common.median(wall),
                      "min_s": min(wall), "max_s": max(wall)}  # fmt: skip
-        print(f"{name:22s} B={rows} d={width} block={args.mrl_block}: temp "
+        print(f"{name:40s} B={rows} d={width} block={args.mrl_block}: temp "
               f"{out[name]['temp_mib']:7.1f} MiB, step median {out[name]['median_s']:.3f} s "
               f"(range {min(wall):.3f}-{max(wall):.3f}, {args.rounds} rounds)")  # fmt: skip
     names = list(grads)
