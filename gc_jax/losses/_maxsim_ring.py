@@ -23,11 +23,7 @@ from gc_jax.losses import _maxsim_tiles, _ring
 from gc_jax.losses._maxsim_tiles import Side
 from gc_jax.losses._strategies import Softmax
 
-
-def _shift(v, axis_name: AxisName):
-    """``v`` (any pytree) of device ``p - 1``, on every device ``p``."""
-    size = jax.lax.axis_size(axis_name)
-    return jax.lax.ppermute(v, axis_name, [(p, (p + 1) % size) for p in range(size)])
+_shift = _ring._shift  # ppermute to the next device: a pytree (tokens, mask) travels whole
 
 
 def _forward(block, axis_name, x: Side, y: Side, targets, scale):
