@@ -106,12 +106,12 @@ def _first_order_only_jvp(primals, tangents):
 
 def _bwd(config: _Config, residuals, ct):
     params, batch, key, wrt = residuals
-    if _plan.by_tokens(config.chunk_size):  # loops as long as the data says
-        params, batch, ct = _first_order_only((params, batch, ct))
-    inp = _input(config, params, batch, key, wrt.value)
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
+    if _plan.by_tokens(config.chunk_size):  # loops as long as the data says
+        params, batch, ct = _first_order_only((params, batch, ct))
+    inp = _input(config, params, batch, key, wrt.value)
     acc, (batch_grads,) = _passes.backward([inp], params, [ct], _passes.grad_buffer(params))
     grads = _passes.param_grads(acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates

@@ -247,7 +247,10 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
     def one(g, r):
         if not is_inexact(r):  # integer/boolean outputs: a float0 zero cotangent
             return np.zeros((rows, *r.shape[1:]), jax.dtypes.float0)
-        return plan.take_cotangent(g, c).astype(r.dtype)
+        piece = plan.take_cotangent(g, c)
+        if piece.ndim > 1 and piece.shape[1] > r.shape[1]:  # a token axis cut to the chunk's
+            piece = piece[:, : r.shape[1]]
+        return piece.astype(r.dtype)
 
     return jax.tree.map(one, rep_grad, shapes)
 
@@ -285,8 +288,10 @@ def _pullback(inp: Input, shapes: PyTree, rep_grad: PyTree, c, vjp=None):
     """
 
     def step(params, dx):
-        pull = vjp or jax.vjp(_encoder(inp, c, True, inp.per_device), params, _diff(inp, c))[1]
-        g_params, g_x = pull(_cotangent(rep_grad, shapes, inp.plan, c))
+        out, pull = shapes, vjp  # the chunk's outputs (a token axis: the chunk's length)
+        if vjp is None:
+            out, pull = jax.vjp(_encoder(inp, c, True, inp.per_device), params, _diff(inp, c))
+        g_params, g_x = pull(_cotangent(rep_grad, out, inp.plan, c))
         dx = [inp.plan.put(b, x, c) for b, x in zip(dx, g_x, strict=True)]
         return g_params, dx
 

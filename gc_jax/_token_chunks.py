@@ -21,6 +21,7 @@ batch's own row order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import warnings
 from collections.abc import Callable
@@ -61,8 +62,11 @@ class TokenBudget:
     Which leaves are trimmed: every leaf of rank 2 or more whose axis 1 is the padded
     length ``L`` (token ids, masks, token types, position ids, per-token features);
     other leaves are taken whole. The encoder's output must not depend on the
-    trimmed padding (a masked transformer with mean or first-token pooling) and must
-    have no token axis (one representation per row).
+    trimmed padding (a masked transformer with mean or first-token pooling). Each
+    output is one representation per row, or has a token axis: axis 1 the chunk's
+    tokens (token vectors ``[rows, len, dim]``, their mask ``[rows, len]``), cached as
+    ``[B, L, ...]``, zero after each row's bucket length; a loss over tokens must then
+    use the mask (``gc_jax.losses.maxsim_loss``'s ``q_mask``, ``d_mask``).
 
     Examples:
       >>> import gc_jax
@@ -260,7 +264,12 @@ class TokenPlan(NamedTuple):
         return jax.tree.map(one, buffer, chunk)
 
     def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
-        """Checks that every bucket's chunk gives outputs of one kind; returns the first."""
+        """Checks that every bucket's chunk gives outputs of one kind; returns the first.
+
+        A leaf whose axis 1 is each bucket's length (token vectors, a token mask) has
+        a token axis: its cache is ``[B, L, ...]``, zero after each row's bucket length.
+        """
+        shapes = _token_outputs(shapes, self.lengths)
         first = shapes[0]
         for b, other in enumerate(shapes[1:], 1):
             if found := _validation.first_mismatch(first, other):
@@ -269,9 +278,10 @@ class TokenPlan(NamedTuple):
                     f"{name} returned {where} of shape {tuple(x.shape)} ({x.dtype}) for a "
                     f"chunk of {self.rows[0]} rows x {self.lengths[0]} tokens but "
                     f"{tuple(y.shape)} ({y.dtype}) for {self.rows[b]} rows x "
-                    f"{self.lengths[b]} tokens; with a TokenBudget the encoder must "
-                    "return one representation per row whose shape does not depend on "
-                    "the sequence length (pool over the tokens)."
+                    f"{self.lengths[b]} tokens; with a TokenBudget every output must be "
+                    "one representation per row whose shape does not depend on the "
+                    "sequence length (pool over the tokens), or have the chunk's tokens "
+                    "as axis 1 (token vectors, their mask)."
                 )
         return first
 
@@ -297,16 +307,38 @@ class TokenPlan(NamedTuple):
                 rows = jnp.where(valid, rows, plan.batch_size).reshape(-1)  # invalid: dropped
                 if out is None:  # shapes only (eval_shape)
                     return reps
-                put = lambda o, r: o.at[rows].set(r.astype(o.dtype), mode="drop")
+                at = lambda o, r: o.at[rows, : r.shape[1]] if r.ndim > 1 else o.at[rows]
+                put = lambda o, r: at(o, r).set(r.astype(o.dtype), mode="drop")
                 return jax.tree.map(put, out, reps), None
 
             if out is None:
-                shapes = jax.eval_shape(turn, None, jnp.int32(0))
+                shapes = [jax.eval_shape(functools.partial(turn, bucket=b), None, jnp.int32(0))
+                          for b in range(len(plan.rows))]  # fmt: skip
                 out = jax.tree.map(
-                    lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype), shapes
+                    lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype),
+                    plan.same_outputs(shapes, "encode"),
                 )
             out, _ = jax.lax.scan(turn, out, jnp.arange(-(-plan.batch_size // size)))
         return out
+
+
+def _token_outputs(shapes: list[PyTree], lengths: tuple[int, ...]) -> list[PyTree]:
+    """Each bucket's output shapes, leaves with a token axis (axis 1 is each bucket's
+    length) widened to the padded length ``lengths[-1]``, where their cache is."""
+    flat = [jax.tree.flatten(s) for s in shapes]
+    if len(flat) < 2 or len({treedef for _, treedef in flat}) > 1:
+        return shapes  # one bucket: nothing trimmed; else same_outputs says what differs
+
+    def has_tokens(i):
+        pairs = zip(flat, lengths, strict=True)
+        return all(len(v[i].shape) > 1 and v[i].shape[1] == n for (v, _), n in pairs)
+
+    tokens = [has_tokens(i) for i in range(len(flat[0][0]))]
+    widen = lambda r: jax.ShapeDtypeStruct((r.shape[0], lengths[-1], *r.shape[2:]), r.dtype)
+    return [
+        treedef.unflatten([widen(r) if t else r for r, t in zip(v, tokens, strict=True)])
+        for v, treedef in flat
+    ]
 
 
 def _gather(x: jax.Array, rows: jax.Array, num_shards: int) -> jax.Array:

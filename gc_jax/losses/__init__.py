@@ -4,6 +4,10 @@
   hard negatives.
 * :func:`clip_loss`: CLIP's symmetric InfoNCE of paired rows.
 * :func:`sigmoid_loss`: SigLIP's pairwise sigmoid loss.
+* :func:`maxsim_loss`: InfoNCE over ColBERT's late-interaction (MaxSim) scores of
+  multi-vector rows ``[rows, tokens, dim]`` with token masks.
+* :func:`matryoshka`: any of these (or your own) summed over truncated widths of the
+  representations, from one cache.
 
 *Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each device
 computes only its own rows' losses against every device's other side, and the loss
@@ -57,10 +61,14 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 # The public losses, one per line (optax style); the forms they share are private.
 from gc_jax.losses._clip import clip_loss
 from gc_jax.losses._contrastive import contrastive_loss
+from gc_jax.losses._matryoshka import matryoshka
+from gc_jax.losses._maxsim import maxsim_loss
 from gc_jax.losses._sigmoid import sigmoid_loss
 
 __all__ = [
     "clip_loss",
     "contrastive_loss",
+    "matryoshka",
+    "maxsim_loss",
     "sigmoid_loss",
 ]

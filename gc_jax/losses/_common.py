@@ -130,13 +130,16 @@ def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:
 def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides):
     """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
 
+    ``x`` and ``y`` are arrays, or pytrees of arrays with the same rows (e.g. token
+    vectors and their mask: ``maxsim_loss``), split alike.
+
     ``sides``: the inputs each device would gather in the gather form (their size
     decides ``method="auto"``). Under ``jit`` over a mesh (explicit axes read from the
     types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the core's
     ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
     """
     _distributed.check_split_alike({"x": x, "y": y}, _distributed.typed_axes(axis_name))
-    layout = _layout.rows_layout(x, axis_name)
+    layout = _layout.rows_layout(jax.tree.leaves(x)[0], axis_name)
     here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
     gathered = layout.shards * here  # what every device would hold in the gather form
     ring = use_ring(method, layout, gathered)
@@ -153,4 +156,5 @@ def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides):
         out_specs=out,
     )
     scalars = [jnp.asarray(v, jnp.result_type(v, jnp.float32)) for v in scalars]
-    return f(layout.place(x, rows), layout.place(y, rows), *scalars)
+    place = lambda side: jax.tree.map(lambda v: layout.place(v, rows), side)
+    return f(place(x), place(y), *scalars)
