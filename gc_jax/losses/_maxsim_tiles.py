@@ -106,12 +106,11 @@ def scores(x: Side, y: Side, acc: Any) -> tuple[jax.Array, jax.Array, jax.Array]
     return jnp.where(counted, best, 0).sum(axis=-1), sims, best
 
 
-def _weights(x: Side, y: Side, draw: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
-    """Raw scores and ``w [bq, bk, T, S]``: ``draw [bq, bk]`` sent to each maximum."""
-    raw, sims, best = scores(x, y, acc)
+def _weights(x: Side, y: Side, sims, best, draw: jax.Array, acc: Any) -> jax.Array:
+    """``w [bq, bk, T, S]``: ``draw [bq, bk]`` sent to each maximum of :func:`scores`."""
     hit = (sims == best[..., None]) & y.mask[None, :, None, :] & x.mask[:, None, :, None]
     ties = jnp.maximum(jnp.sum(hit, axis=-1, keepdims=True), 1).astype(acc)
-    return raw, jnp.where(hit, draw[:, :, None, None], 0) / ties
+    return jnp.where(hit, draw[:, :, None, None], 0) / ties
 
 
 def query_grad(w: jax.Array, y: Side, acc: Any) -> jax.Array:
@@ -187,12 +186,15 @@ def backward(block, x: Side, y: Side, targets, scale, lse, g):
         qs = first(i, bq, n)
         return read(queries, qs, bq), own_rows(qs, bq, i * bq), qs
 
-    def tile(query, yk, ks, own):
-        """Raw scores and the weights ``w`` of ``d loss / d raw`` (before ``scale``)."""
+    def tile(query, yk, ks, own, keep=True):
+        """Raw scores and ``w``: ``d loss / d raw`` (before ``scale``) sent to the maxima.
+
+        ``keep``: ``[bq, 1]``, the query rows whose ``d loss / d raw`` counts."""
         xq, tq, sq, gq = query
-        raw = scores(xq, yk, acc)[0]
+        raw, sims, best = scores(xq, yk, acc)
         z, valid, pos = _logits(raw, tq, ks, own, scale)
-        return raw, gq[:, None] * Softmax.dlogits(z, valid, pos, sq)
+        dz = jnp.where(keep, gq[:, None] * Softmax.dlogits(z, valid, pos, sq), 0)
+        return raw, dz, _weights(xq, yk, sims, best, dz, acc)
 
     def query_block(i, carry, y, *queries):
         query, own, qs = read_queries(queries, i)
@@ -201,8 +203,8 @@ def backward(block, x: Side, y: Side, targets, scale, lse, g):
             dxq, dscale = carry
             ks = first(j, bk, m)
             yk = read(y, ks, bk)
-            raw, dz = tile(query, yk, ks, j * bk)
-            dxq = dxq + query_grad(_weights(query[0], yk, dz, acc)[1], yk, acc)
+            raw, dz, w = tile(query, yk, ks, j * bk)
+            dxq = dxq + query_grad(w, yk, acc)
             return dxq, dscale + jnp.where(own, dz * raw, 0).sum()
 
         dx, dscale = carry
@@ -216,8 +218,8 @@ def backward(block, x: Side, y: Side, targets, scale, lse, g):
 
         def step(i, dyk, *queries):
             query, own, _ = read_queries(queries, i)
-            dz = jnp.where(own, tile(query, yk, ks, j * bk)[1], 0)
-            return dyk + doc_grad(_weights(query[0], yk, dz, acc)[1], query[0], acc)
+            w = tile(query, yk, ks, j * bk, keep=own)[2]  # rows of the block before: there
+            return dyk + doc_grad(w, query[0], acc)
 
         return (scale * loop(step, nq, zeros(yk.tokens, acc, x, y), *queries)).astype(dy.dtype)
 
