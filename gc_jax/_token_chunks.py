@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _narrow, _validation
+from gc_jax import _distributed, _narrow, _token_spans, _validation
 from gc_jax._base import PyTree
 
 _MASK = "attention_mask"  # read with a lengths() callable too, where the batch has it
@@ -187,8 +187,12 @@ class TokenPlan(NamedTuple):
         b, size = index.bucket, self.rows[index.bucket]
         pos = index.turn * size + jnp.arange(size)
         at = self.starts[:, b : b + 1] + pos[None, :]
-        valid = at < self.ends[:, b : b + 1]
-        at = jnp.minimum(at, self.order.shape[1] - 1)  # padding rows: the last rows again
+        end = self.ends[:, b : b + 1]
+        valid = at < end
+        # Padding rows repeat the span's last row, which fits the bucket (so no row is
+        # cut short, whose encoding could be NaN); where the span is empty, the
+        # shard's shortest row.
+        at = jnp.minimum(at, jnp.maximum(end - 1, 0))
         return jnp.take_along_axis(self.order, at, axis=1), valid
 
     def _trimmed(self, x: jax.Array) -> bool:
@@ -199,9 +203,8 @@ class TokenPlan(NamedTuple):
         rows, _ = self.where(index)
         length = self.lengths[index.bucket]
 
-        def one(x):
-            piece = _gather(x, rows, self.num_shards)
-            return piece[:, :length] if self._trimmed(x) else piece
+        def one(x):  # trimmed before the gather: only the bucket's tokens are read
+            return _gather(x[:, :length] if self._trimmed(x) else x, rows, self.num_shards)
 
         return jax.tree.map(one, tree)
 
@@ -334,10 +337,10 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str,
     shapes = budget.chunk_shapes(padded, batch_size // num_shards)
     rows, lengths = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
     length = row_lengths(batch, budget, name).reshape(num_shards, -1)
-    # The first bucket that holds the row: the number of buckets shorter than it.
-    bucket = jnp.minimum(jnp.sum(length[..., None] > jnp.asarray(lengths), -1), len(lengths) - 1)
+    bucket = _token_spans.bucket_of(length, lengths, jnp)
     order = jnp.argsort(bucket, axis=1, stable=True)
-    starts, ends, trips = _spans(bucket, rows)
+    starts, ends, chunks = _token_spans.spans(bucket, rows, lengths, jnp)
+    trips = jnp.max(chunks, axis=0)
     return TokenPlan(batch_size, num_shards, padded, lengths, rows, order, starts, ends, trips,
                      layout)  # fmt: skip
 
@@ -357,22 +360,3 @@ def _warn_float_columns(batch: PyTree, padded: int, name: str, mask: str) -> Non
                 f"{padded}]) or pass it outside the token batch.",
                 stacklevel=4,
             )
-
-
-def _spans(bucket: jax.Array, rows: tuple[int, ...]):
-    """Each bucket's span of the sorted rows: its full chunks, the leftover rows moved up.
-
-    With the rows sorted by bucket, bucket ``b`` takes, from where ``b - 1`` stopped, as
-    many full chunks as the rows that fit it (bucket ``b`` or shorter) allow; the last
-    bucket takes every row left, its last chunk partial.
-    """
-    fits = jnp.sum(bucket[..., None] <= jnp.arange(len(rows)), axis=1)  # [S, b]: rows <= b
-    start, starts, ends = jnp.zeros_like(fits[:, 0]), [], []
-    for b, size in enumerate(rows):
-        end = bucket.shape[1] if b == len(rows) - 1 else start + (fits[:, b] - start) // size * size
-        starts.append(start)
-        ends.append(jnp.zeros_like(start) + end)  # typed like start (sharded shards)
-        start = ends[-1]
-    starts, ends = jnp.stack(starts, 1), jnp.stack(ends, 1)
-    trips = jnp.max(-(-(ends - starts) // jnp.asarray(rows)), axis=0)
-    return starts, ends, trips
