@@ -7,15 +7,15 @@ Each bucket is a padded length ``len_b`` (e.g. 32, 64, 128, 256); its chunks hol
 
 Everything works under ``jax.jit``, where the lengths are traced data: each row's
 bucket is the smallest one that holds its tokens; a stable ``argsort`` of the rows by
-bucket gives the order in which they are encoded. Each bucket encodes as many *full*
-chunks of its rows as it has; the rows left over (fewer than a chunk) move up to the
-next bucket, whose chunks are longer, so only the longest bucket has a partial last
-chunk. The number of chunks of a bucket is traced, so each bucket runs a loop with a
-traced trip count (the passes never differentiate through their loops). A chunk
-gathers its rows of that order; the last chunk is filled up with the batch's last
-rows again (*padding rows*), whose representations are not written and whose
-cotangent is zero, so they add nothing. The cache stays one batch-sized array in the
-batch's own row order.
+bucket gives the order in which they are encoded. Each bucket encodes its rows (and
+those left over from shorter buckets) in full chunks, and either moves the rest up
+to the next bucket or pads its last chunk, whichever encodes fewer tokens in all
+(:mod:`gc_jax._token_spans`). The number of chunks of a bucket is traced, so each
+bucket runs a loop with a traced trip count (the passes never differentiate through
+their loops). A chunk gathers its rows of that order; a partial chunk is filled up
+with its bucket's last row again (*padding rows*), whose representations are not
+written and whose cotangent is zero, so they add nothing. The cache stays one
+batch-sized array in the batch's own row order.
 """
 
 from __future__ import annotations
@@ -98,6 +98,45 @@ class TokenBudget:
                 f"(a str) or a callable lengths(batch) -> int[rows], got {self.lengths!r}."
             )
         object.__setattr__(self, "buckets", tuple(int(b) for b in buckets))
+
+    @classmethod
+    def for_lengths(
+        cls, sample: Any, tokens: int, padded_length: int, *, max_buckets: int = 5,
+        multiple: int = 8, min_saving: float = 0.01, lengths: Any = _MASK,
+    ) -> TokenBudget:  # fmt: skip
+        """A budget whose buckets encode the fewest tokens for batches like ``sample``.
+
+        The buckets (multiples of ``multiple``, and ``padded_length``) are chosen on
+        the sample's own lengths, planned as the step plans them: added one at a time
+        while one saves at least ``min_saving`` of the tokens encoded, up to
+        ``max_buckets``, then each moved to its best place. Each bucket is one more
+        compiled chunk shape (compile time grows about linearly with them).
+
+        Args:
+          sample: row lengths (padding excluded), ``[rows]`` for one batch or
+            ``[batches, rows]``, each row a batch as the step sees it (per device under
+            ``shard_map`` or a sharded ``jit``): e.g. ``mask.sum(-1)`` of a few batches.
+          tokens: the budget, as ``TokenBudget``.
+          padded_length: the batches' padded length (the longest bucket).
+          max_buckets: at most this many buckets, ``padded_length`` included.
+          multiple: every bucket but ``padded_length`` is a multiple of it.
+          min_saving: the share of the encoded tokens a bucket must save to be added.
+          lengths: as ``TokenBudget``.
+
+        Examples:
+          >>> import numpy as np, gc_jax
+          >>> lengths = np.random.default_rng(0).lognormal(np.log(40), 0.8, (8, 256))
+          >>> sample = np.clip(lengths.astype(int), 1, 256)  # 8 batches of 256 rows
+          >>> gc_jax.TokenBudget.for_lengths(sample, 4096, padded_length=256).buckets
+          (40, 56, 96, 152, 256)
+        """
+        sample = _token_spans.checked_sample(sample, padded_length, max_buckets, multiple,
+                                             min_saving)  # fmt: skip
+        cls(tokens, (padded_length,)).chunk_shapes(padded_length, sample.shape[1])  # checks
+        buckets = _token_spans.propose_buckets(
+            sample, tokens, padded_length, max_buckets, multiple, min_saving
+        )
+        return cls(tokens, buckets, lengths)
 
     def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
         """The buckets a batch padded to ``padded_length`` tokens uses (the last is it)."""

@@ -97,26 +97,75 @@ def encoded_tokens(lengths: np.ndarray, tokens: int, buckets: tuple[int, ...]) -
 def propose_buckets(lengths: np.ndarray, tokens: int, padded_length: int, max_buckets: int,
                     multiple: int, min_saving: float) -> tuple[int, ...]:  # fmt: skip
     """Buckets (multiples of ``multiple``, and ``padded_length``) for which the plan
-    encodes the fewest tokens over the batches of ``lengths``: added one at a time
-    while one saves at least ``min_saving`` of the tokens, then each moved to its best
-    place while that helps."""
-    candidates = [n for n in range(multiple, padded_length, multiple)]
+    encodes the fewest tokens over the batches of ``lengths``.
+
+    Buckets are added one at a time (the one that saves most) while one saves at
+    least ``min_saving`` of the tokens; then, from that set and from as many buckets
+    at equally spaced quantiles of the lengths, each bucket is moved in turn to its
+    best place while that helps, and the cheaper result is kept.
+    """
+    candidates = list(range(multiple, padded_length, multiple))
     cost = lambda buckets: float(encoded_tokens(lengths, tokens, buckets).mean())
     chosen, current = (padded_length,), cost((padded_length,))
     while len(chosen) < max_buckets:
-        trials = [tuple(sorted({*chosen, n})) for n in candidates if n not in chosen]
-        scored = [(cost(t), t) for t in trials]
+        scored = [(cost(t), t) for t in _with_each(chosen, candidates)]
         if not scored or min(scored)[0] > current * (1 - min_saving):
             break
         current, chosen = min(scored)
-    for _ in range(3):  # each bucket moved to its best place, the others kept
+    count = len(chosen) - 1
+    quantiles = np.quantile(lengths, np.arange(1, count + 1) / (count + 1))
+    halves = [padded_length >> (count - i) for i in range(count)]  # L/2^count, ..., L/2
+    starts = [chosen]
+    for guess in (quantiles, halves):
+        near = {min(max(multiple, -(-int(n) // multiple) * multiple), padded_length) for n in guess}
+        starts.append((*sorted(near - {padded_length}), padded_length))
+    return min(_refined(start, candidates, cost) for start in starts)[1]
+
+
+def _with_each(buckets: tuple[int, ...], candidates: list[int]) -> list[tuple[int, ...]]:
+    return [tuple(sorted({*buckets, n})) for n in candidates if n not in buckets]
+
+
+def _refined(buckets: tuple[int, ...], candidates: list[int], cost) -> tuple[float, tuple]:
+    """``(cost, buckets)`` after moving each bucket but the last to its best place, in
+    turn, while that lowers the cost."""
+    current = cost(buckets)
+    for _ in range(4):
         moved = False
-        for i in range(len(chosen) - 1):
-            others = chosen[:i] + chosen[i + 1 :]
-            trials = [tuple(sorted({*others, n})) for n in candidates if n not in others]
+        for i in range(len(buckets) - 1):
+            trials = _with_each(buckets[:i] + buckets[i + 1 :], candidates)
             best_cost, best = min((cost(t), t) for t in trials)
             if best_cost < current:
-                current, chosen, moved = best_cost, best, True
+                current, buckets, moved = best_cost, best, True
         if not moved:
             break
-    return chosen
+    return current, buckets
+
+
+def checked_sample(sample: Any, padded_length: Any, max_buckets: Any, multiple: Any,
+                   min_saving: Any) -> np.ndarray:  # fmt: skip
+    """``sample`` as ``int[batches, rows]``; raises naming the argument that is wrong."""
+    for name, value in (("padded_length", padded_length), ("max_buckets", max_buckets),
+                        ("multiple", multiple)):  # fmt: skip
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
+            raise TypeError(
+                f"TokenBudget.for_lengths {name} must be a positive int, got {value!r}."
+            )
+    if not isinstance(min_saving, int | float) or not 0 <= min_saving < 1:
+        raise ValueError(
+            f"TokenBudget.for_lengths min_saving must be a share in [0, 1), got {min_saving!r}."
+        )
+    array = np.asarray(sample)
+    array = array[None] if array.ndim == 1 else array
+    if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"TokenBudget.for_lengths sample must be integer row lengths [rows] or [batches, "
+            f"rows], e.g. mask.sum(-1), got {array.dtype} of shape {np.shape(sample)}."
+        )
+    if array.min() < 0 or array.max() > padded_length:
+        raise ValueError(
+            f"TokenBudget.for_lengths sample has lengths from {array.min()} to {array.max()}, "
+            f"outside [0, padded_length={padded_length}]; pass each row's tokens (padding "
+            "excluded) and the batches' padded length."
+        )
+    return array
