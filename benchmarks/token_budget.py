@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
     add("--buckets", type=int, nargs="+", help="the documents' buckets (else fitted)")
+    add("--query-max-buckets", type=int, default=1, help="max_buckets of the queries' budget")
+    add("--compile-scaling", type=int, nargs="*", metavar="K",
+        help="only compile: rows, then budgets of K fitted document buckets (lower and "
+        "compile times, distinct chunk shapes)")  # fmt: skip
     add("--fit-batches", type=int, default=16, help="batches the buckets are fitted on")
     add("--batches", type=int, default=2, help="distinct batches timed")
     add("--rounds", type=int, default=5, help="interleaved timing rounds")
@@ -148,17 +152,45 @@ def chunk_flops(model, shape: tuple[int, int], cache: dict) -> float:
 def input_budgets(args, fit) -> tuple[gc_jax.TokenBudget, gc_jax.TokenBudget]:
     """A budget per input, fitted on the lengths of the ``fit`` batches."""
     out = []
+    out = []
     for i, padded in enumerate((args.query_length, args.document_length)):
         if i == 1 and args.buckets:
             out.append(gc_jax.TokenBudget(args.tokens, tuple(args.buckets)))
             continue
         sample = np.stack([b[i]["attention_mask"].sum(-1) for b in fit])
+        most = (args.query_max_buckets, args.max_buckets)[i]
         out.append(gc_jax.TokenBudget.for_lengths(sample, args.tokens, padded,
-                                                  max_buckets=args.max_buckets))  # fmt: skip
+                                                  max_buckets=most))  # fmt: skip
     return tuple(out)
 
 
+def compile_scaling(args, model, params, chunk, fit, batch) -> None:
+    """Lower and compile times of rows and of budgets of ``K`` fitted document buckets."""
+    print("| chunks | distinct chunk shapes | lower s (CPU s) | compile s (CPU s) | "
+          "total CPU vs rows |")  # fmt: skip
+    base = None
+    for k in [0, *args.compile_scaling]:
+        if k:
+            args.max_buckets, args.buckets = k, None
+            chunks = input_budgets(args, fit)
+        else:
+            chunks = (chunk, chunk)
+        shapes = {s for c, x in zip(chunks, batch, strict=True) for s in chunk_counts(c, x)}
+        step = grad_step(model, chunks)
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered = step.lower(params, *batch)
+        lower_wall, lower_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered.compile()
+        compile_wall, compile_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        base = base or lower_cpu + compile_cpu
+        print(f"| {chunks} | {len(shapes)} | {lower_wall:.1f} ({lower_cpu:.1f}) | "
+              f"{compile_wall:.1f} ({compile_cpu:.1f}) | "
+              f"{(lower_cpu + compile_cpu) / base:.2f}x |", flush=True)  # fmt: skip
+
+
 def compile_timed(step, *args):
+    """``(compiled, wall s, CPU s)`` of ``step.lower(*args).compile()``."""
     wall, cpu = time.perf_counter(), time.process_time()
     compiled = step.lower(*args).compile()
     return compiled, time.perf_counter() - wall, time.process_time() - cpu
@@ -225,8 +257,11 @@ def main(argv=None) -> dict:
         dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0)
     )
     params = dual_encoder.initial_params(model)
-    settings = {"rows": (chunk, chunk), "tokens": input_budgets(args, fit)}
     print(common.machine())
+    if args.compile_scaling is not None:
+        compile_scaling(args, model, params, chunk, fit, batches[0])
+        return {}
+    settings = {"rows": (chunk, chunk), "tokens": input_budgets(args, fit)}
     print(f"data {args.data}: batch {args.batch}, queries {args.query_length} / documents "
           f"{args.document_length} tokens, {args.batches} batches timed x {args.rounds} "
           f"interleaved rounds; buckets fitted on {args.fit_batches} other batches")  # fmt: skip

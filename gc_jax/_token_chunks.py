@@ -1,21 +1,15 @@
 """Chunks cut by a token budget: rows grouped by length into buckets, trimmed of padding.
 
-A :class:`TokenBudget` replaces ``chunk_size`` for batches of padded token sequences.
-Each bucket is a padded length ``len_b`` (e.g. 32, 64, 128, 256); its chunks hold
-``tokens // len_b`` rows cut to ``len_b`` tokens, so every chunk holds at most
-``tokens`` tokens and there is one compiled chunk shape per bucket.
-
-Everything works under ``jax.jit``, where the lengths are traced data: each row's
-bucket is the smallest one that holds its tokens; a stable ``argsort`` of the rows by
-bucket gives the order in which they are encoded. Each bucket encodes its rows (and
-those left over from shorter buckets) in full chunks, and either moves the rest up
-to the next bucket or pads its last chunk, whichever encodes fewer tokens in all
-(:mod:`gc_jax._token_spans`). The number of chunks of a bucket is traced, so each
-bucket runs a loop with a traced trip count (the passes never differentiate through
-their loops). A chunk gathers its rows of that order; a partial chunk is filled up
-with its bucket's last row again (*padding rows*), whose representations are not
-written and whose cotangent is zero, so they add nothing. The cache stays one
-batch-sized array in the batch's own row order.
+A :class:`TokenBudget` replaces ``chunk_size`` for batches of padded token sequences:
+bucket ``len_b``'s chunks hold ``tokens // len_b`` rows cut to ``len_b`` tokens (one
+compiled chunk shape per bucket). Under ``jax.jit`` the lengths are traced data: each
+row's bucket is the shortest that holds it; a stable ``argsort`` by bucket orders the
+rows. Each bucket encodes its rows (and those left over from shorter buckets) in full
+chunks, and moves the rest up or pads its last chunk, whichever encodes fewer tokens
+in all (:mod:`gc_jax._token_spans`); its number of chunks is traced, so it runs a
+loop with a traced trip count (the passes never differentiate through their loops).
+A chunk gathers its rows of that order; a partial chunk repeats its bucket's last row
+(*padding rows*: not written, zero cotangent). The cache stays in the batch's order.
 """
 
 from __future__ import annotations
@@ -63,6 +57,11 @@ class TokenBudget:
     other leaves are taken whole. The encoder's output must not depend on the
     trimmed padding (a masked transformer with mean or first-token pooling) and must
     have no token axis (one representation per row).
+
+    Each bucket is one more chunk shape to compile (its forward, and its forward and
+    backward), so compile time grows about linearly with the buckets; inputs whose
+    buckets give equal chunk shapes share their kernels. :meth:`for_lengths` picks a
+    few buckets that save most for a sample of lengths.
 
     Examples:
       >>> import gc_jax
