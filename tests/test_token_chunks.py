@@ -228,7 +228,9 @@ def reference_with_dropout(loss, encoders, budget, params, *inputs, rng):
 
 def test_dropout_replayed():
     params, encoders = make_params(), towers(False, dropout=0.3)
-    q, d = text_batch(20, "bimodal", 9), text_batch(20, "uniform", 10)
+    # Batches with one cheapest plan (no tie for the reference to break); the queries'
+    # shortest bucket pads its last chunk.
+    q, d = text_batch(20, "bimodal", 14), text_batch(20, "uniform", 13)
     rng = jax.random.key(3)
     grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
     got = grad_fn(params, q, d, rng=rng)
