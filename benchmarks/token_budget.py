@@ -1,64 +1,112 @@
-"""Equal-row chunks vs token-budget chunks on the dual-encoder example's real data.
+"""Equal-row chunks vs token-budget chunks: padding, work, step time, compile time, memory.
 
-The data, tokenizer and model are the example's (``examples/dual_encoder.py``, tiny
-model): docstring summaries padded to 32 tokens and code padded to 128, from the
-Python sources installed here. Both settings compute the same exact gradient of the
-example's loss (InfoNCE, learnable temperature) over a batch of ``--batch`` pairs:
+Both settings compute the same exact gradient (the dual-encoder example's InfoNCE loss
+with a learnable temperature, no optimizer) of the example's tiny encoder (2 layers,
+width 128, positions up to the documents' padded length) over batches of ``--batch``
+pairs; the data (``--data``):
 
-* ``rows``: ``chunk_size=--chunk`` rows at the padded length (the example's old default);
-* ``tokens``: ``gc_jax.TokenBudget(--tokens, --buckets)``: chunks of at most 1,024 tokens
-  (half a ``rows`` chunk of code), rows trimmed to their bucket.
+* ``example``: the example's docstring -> code pairs mined from the installed Python
+  packages, tokenised by its byte-level BPE (trained on the training split), the
+  docstrings padded to ``--query-length`` (64) and the code to ``--document-length``
+  (512) tokens: long real texts, most much shorter than the padded length;
+* ``lognormal``: random token ids with lognormal lengths, median ``--median`` (1/5) of
+  the padded length, ``--sigma`` 0.8, for queries and documents alike.
 
-Printed, for each, in one run: the padded fraction of the tokens encoded (each
-encoder pass encodes these tokens; the budget's padding rows count as padding), the
-gradient step time (interleaved rounds over the same batches: median and range), the
-compiled temp memory on this machine and on the TPU compiler (compile only, ``--tpu``;
-the step on one chip of that topology), and the number of compiled chunk shapes.
+Settings: ``rows``: ``chunk_size=--chunk`` rows (default: ``--tokens`` over the documents'
+padded length, so a chunk holds as many tokens as a budget chunk); ``tokens``: per input
+``gc_jax.TokenBudget.for_lengths`` on ``--fit-batches`` other batches (``--max-buckets``),
+or ``--buckets`` for the documents.
 
-Usage (from the repository root; ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` in front when another
-process holds libtpu)::
+Printed for each: the padded share of the tokens each pass encodes (a budget's padding
+rows count as padding), the work (FLOPs of every chunk's encoder forward and
+forward-backward, from XLA's cost analysis of each chunk shape), the step time
+(``--rounds`` interleaved rounds over the same batches: median and range of the
+wall and CPU times, and of the paired ratio to ``rows``), the compile time (lower and
+compile, wall and CPU seconds), the compiled temp memory on this machine and, with
+``--tpu``, on the TPU compiler for one chip of that topology (``memory_analysis()`` and
+the HBM temp its buffer assignment allocates), and the chunk shapes compiled.
 
-    PYTHONPATH=examples python -m benchmarks.token_budget                # CPU time, memory
-    PYTHONPATH=examples python -m benchmarks.token_budget --tpu v5e:2x2  # + TPU memory
+Usage (from the repository root)::
+
+    PYTHONPATH=examples python -m benchmarks.token_budget --data lognormal
+    PYTHONPATH=examples python -m benchmarks.token_budget --data example --tpu v5e:2x2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import gc_jax
+from benchmarks import common
 from benchmarks.example_modules import dual_encoder, retrieval_data
 from gc_jax import _token_chunks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--chunk", type=int, default=16, help="rows of an equal-row chunk")
-    parser.add_argument("--tokens", type=int, default=1024, help="the token budget of a chunk")
-    parser.add_argument("--buckets", type=int, nargs="+", default=[16, 32, 64, 96, 128])
-    parser.add_argument("--batches", type=int, default=8, help="distinct batches timed")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    parser.add_argument("--tpu", metavar="TOPOLOGY", help="also compile for TPU, e.g. v5e:2x2")
+    add = parser.add_argument
+    add("--data", choices=["example", "lognormal"], default="lognormal")
+    add("--batch", type=int, default=256, help="pairs per step")
+    add("--query-length", type=int, default=64, help="the queries' padded length")
+    add("--document-length", type=int, default=512, help="the documents' padded length")
+    add("--median", type=float, default=0.2, help="lognormal: median length / padded length")
+    add("--sigma", type=float, default=0.8, help="lognormal: sigma of the log length")
+    add("--tokens", type=int, default=4096, help="the token budget of a chunk")
+    add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
+    add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
+    add("--buckets", type=int, nargs="+", help="the documents' buckets (else fitted)")
+    add("--query-max-buckets", type=int, default=1, help="max_buckets of the queries' budget")
+    add("--compile-scaling", type=int, nargs="*", metavar="K",
+        help="only compile: rows, then budgets of K fitted document buckets (lower and "
+        "compile times, distinct chunk shapes)")  # fmt: skip
+    add("--fit-batches", type=int, default=16, help="batches the buckets are fitted on")
+    add("--batches", type=int, default=2, help="distinct batches timed")
+    add("--rounds", type=int, default=5, help="interleaved timing rounds")
+    add("--tpu", metavar="TOPOLOGY", help="also compile for one TPU chip, e.g. v5e:2x2")
+    add("--json", help="write the results here")
     return parser.parse_args(argv)
 
 
-def load(args):
-    """The example's training pairs, tokenizer and tiny model; ``args.batches`` batches."""
+def example_batches(args, count: int) -> tuple[int, list]:
+    """The example's pairs, tokenised at the given padded lengths; ``count`` batches."""
     roots = retrieval_data.source_roots(retrieval_data.DEFAULT_PACKAGES)
-    pairs = retrieval_data.mine_pairs(roots)
-    split = retrieval_data.split_by_source(pairs, 1000, seed=0)
-    model, tokenizer = dual_encoder.build_model("tiny", split.train, seed=0, dropout=0.0)
-    data = dual_encoder.tokenize(tokenizer, split.train, dual_encoder.DEFAULTS["tiny"])
+    split = retrieval_data.split_by_source(retrieval_data.mine_pairs(roots), 1000, seed=0)
+    texts = [p.query for p in split.train] + [p.document for p in split.train]
+    vocab = dual_encoder.TINY_VOCAB_SIZE
+    tokenizer = dual_encoder.text_tokens.train_bpe(texts, vocab, args.document_length)
+    lengths = dataclasses.replace(
+        dual_encoder.DEFAULTS["tiny"],
+        query_length=args.query_length,
+        document_length=args.document_length,
+    )
+    data = dual_encoder.tokenize(tokenizer, split.train, lengths)
     order = np.random.default_rng(0).permutation(len(data))
-    batches = [data.rows(order[i * args.batch : (i + 1) * args.batch]) for i in range(args.batches)]
-    return model, batches, len(split.train)
+    if count * args.batch > len(data):
+        raise SystemExit(f"{count} batches of {args.batch} need more than {len(data)} pairs")
+    rows = [order[i * args.batch : (i + 1) * args.batch] for i in range(count)]
+    return tokenizer.get_vocab_size(), [data.rows(r) for r in rows]
+
+
+def lognormal_batches(args, count: int) -> tuple[int, list]:
+    rng = np.random.default_rng(0)
+
+    def batch(padded):
+        length = rng.lognormal(np.log(args.median * padded), args.sigma, args.batch)
+        length = np.clip(np.round(length), 1, padded).astype(np.int32)
+        mask = (np.arange(padded)[None] < length[:, None]).astype(np.int32)
+        ids = rng.integers(1, dual_encoder.TINY_VOCAB_SIZE, mask.shape, dtype=np.int32)
+        return {"input_ids": ids * mask, "attention_mask": mask}
+
+    pads = (args.query_length, args.document_length)
+    return dual_encoder.TINY_VOCAB_SIZE, [tuple(batch(p) for p in pads) for _ in range(count)]
 
 
 def grad_step(model, chunk_size):
@@ -73,94 +121,187 @@ def grad_step(model, chunk_size):
     return jax.jit(gc_jax.cached_value_and_grad(loss_fn, encode, chunk_size))
 
 
-def encoded_tokens(chunk_size, batch) -> tuple[int, int]:
-    """(tokens encoded per pass, real tokens) of one input ``batch`` under ``chunk_size``."""
-    mask = np.asarray(batch["attention_mask"])
-    real = int(mask.sum())
+def chunk_counts(chunk_size, batch) -> dict[tuple[int, int], int]:
+    """``{(rows, tokens): chunks}`` one input's step encodes in each pass (the library's
+    own plan for a budget)."""
+    rows, length = batch["input_ids"].shape
     if not isinstance(chunk_size, gc_jax.TokenBudget):
-        return mask.size, real
+        counts = {(min(chunk_size, rows), length): rows // chunk_size}
+        if rows % chunk_size:
+            counts[rows % chunk_size, length] = 1
+        return counts
     plan = _token_chunks.make_plan(jax.tree.map(jnp.asarray, batch), chunk_size, "batch")
     trips = np.asarray(plan.trips)
-    return int(sum(t * r * n for t, r, n in zip(trips, plan.rows, plan.lengths, strict=True))), real
+    return {(r, n): int(t) for r, n, t in zip(plan.rows, plan.lengths, trips, strict=True)}
 
 
-def chunk_shapes(chunk_size, batch) -> list[tuple[int, int]]:
-    rows, length = batch["input_ids"].shape
-    if isinstance(chunk_size, gc_jax.TokenBudget):
-        return list(chunk_size.chunk_shapes(length, rows))
-    shapes = {(min(chunk_size, rows), length)}
-    if rows % chunk_size:
-        shapes.add((rows % chunk_size, length))
-    return sorted(shapes)
+def chunk_flops(model, shape: tuple[int, int], cache: dict) -> float:
+    """FLOPs of one chunk's forward (pass 1) plus forward and backward (pass 2)."""
+    if shape not in cache:
+        encode = gc_jax.nnx_encoder(model)
+        params = nnx.state(model, nnx.Param)
+        x = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "attention_mask")}
+        forward = lambda p, x: encode(p, x, None)
+        both = lambda p, x: jax.vjp(lambda p: forward(p, x), p)[1](forward(p, x))
+        cache[shape] = sum(
+            float(jax.jit(f).lower(params, x).cost_analysis()["flops"]) for f in (forward, both)
+        )
+    return cache[shape]
 
 
-def tpu_temp_bytes(step, params, batch, topology: str) -> int:
-    """Temp memory of the step compiled for one chip of ``topology`` (compile only)."""
-    from jax.experimental import topologies
+def input_budgets(args, fit) -> tuple[gc_jax.TokenBudget, gc_jax.TokenBudget]:
+    """A budget per input, fitted on the lengths of the ``fit`` batches."""
+    out = []
+    out = []
+    for i, padded in enumerate((args.query_length, args.document_length)):
+        if i == 1 and args.buckets:
+            out.append(gc_jax.TokenBudget(args.tokens, tuple(args.buckets)))
+            continue
+        sample = np.stack([b[i]["attention_mask"].sum(-1) for b in fit])
+        most = (args.query_max_buckets, args.max_buckets)[i]
+        out.append(gc_jax.TokenBudget.for_lengths(sample, args.tokens, padded,
+                                                  max_buckets=most))  # fmt: skip
+    return tuple(out)
 
-    topo = topologies.get_topology_desc(
-        platform="tpu", topology_name=topology, chips_per_host_bounds=(2, 2, 1)
+
+def compile_scaling(args, model, params, chunk, fit, batch) -> None:
+    """Lower and compile times of rows and of budgets of ``K`` fitted document buckets."""
+    print("| chunks | distinct chunk shapes | lower s (CPU s) | compile s (CPU s) | "
+          "total CPU vs rows |")  # fmt: skip
+    base = None
+    for k in [0, *args.compile_scaling]:
+        if k:
+            args.max_buckets, args.buckets = k, None
+            chunks = input_budgets(args, fit)
+        else:
+            chunks = (chunk, chunk)
+        shapes = {s for c, x in zip(chunks, batch, strict=True) for s in chunk_counts(c, x)}
+        step = grad_step(model, chunks)
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered = step.lower(params, *batch)
+        lower_wall, lower_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered.compile()
+        compile_wall, compile_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        base = base or lower_cpu + compile_cpu
+        print(f"| {chunks} | {len(shapes)} | {lower_wall:.1f} ({lower_cpu:.1f}) | "
+              f"{compile_wall:.1f} ({compile_cpu:.1f}) | "
+              f"{(lower_cpu + compile_cpu) / base:.2f}x |", flush=True)  # fmt: skip
+
+
+def compile_timed(step, *args):
+    """``(compiled, wall s, CPU s)`` of ``step.lower(*args).compile()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    compiled = step.lower(*args).compile()
+    return compiled, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def tpu_memory(step, params, batch, topology: str) -> dict:
+    """Temp bytes of the step compiled for one chip of ``topology`` (compile only)."""
+    device = common.tpu_devices(topology, host_bounds=(2, 2, 1))[0]
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype),
+                          (params, *batch))  # fmt: skip
+    tick = time.perf_counter()
+    compiled, allocated = common.compile_with_allocation(
+        step.lower(*common.on_device(device, shapes))
     )
-    sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
-    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=sharding)
-    compiled = step.lower(*jax.tree.map(shape, (params, *batch))).compile()
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    return {
+        "tpu_temp": compiled.memory_analysis().temp_size_in_bytes,
+        "tpu_allocated_temp": allocated,
+        "tpu_compile_s": time.perf_counter() - tick,
+    }
+
+
+def measure(args, model, params, settings, batches) -> dict:
+    results, flops = {}, {}
+    for name, chunks in settings.items():
+        step = grad_step(model, chunks)
+        compiled, wall, cpu = compile_timed(step, params, *batches[0])
+        counts = [[chunk_counts(c, x) for c, x in zip(chunks, b, strict=True)] for b in batches]
+        encoded = [[sum(r * n * t for (r, n), t in c.items()) for c in b] for b in counts]
+        real = [[int(x["attention_mask"].sum()) for x in b] for b in batches]
+        work = [
+            sum(chunk_flops(model, s, flops) * t for c in b for s, t in c.items()) for b in counts
+        ]
+        results[name] = {
+            "step": compiled,
+            "wall": [],
+            "cpu": [],
+            "padded": 1 - np.sum(real) / np.sum(encoded),
+            "padded_docs": 1 - np.sum(real, 0)[1] / np.sum(encoded, 0)[1],
+            "gflop": float(np.mean(work)) / 1e9,
+            "compile_s": wall,
+            "compile_cpu_s": cpu,
+            "temp": compiled.memory_analysis().temp_size_in_bytes,
+            "shapes": [sorted(c) for c in counts[0]],
+        }
+        jax.block_until_ready(compiled(params, *batches[0]))  # warm up
+    for i in range(args.rounds):  # interleaved; every other round in reverse order
+        for r in list(results.values())[:: 1 if i % 2 == 0 else -1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            for b in batches:
+                out = r["step"](params, *b)
+            jax.block_until_ready(out)
+            r["wall"].append((time.perf_counter() - wall) / len(batches))
+            r["cpu"].append((time.process_time() - cpu) / len(batches))
+    return results
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model, batches, num_train = load(args)
+    chunk = args.chunk or max(1, args.tokens // args.document_length)
+    make = example_batches if args.data == "example" else lognormal_batches
+    vocab, all_batches = make(args, args.fit_batches + args.batches)
+    fit, batches = all_batches[: args.fit_batches], all_batches[args.fit_batches :]
+    model = dual_encoder.SentenceEncoder(
+        dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0)
+    )
     params = dual_encoder.initial_params(model)
-    settings = {
-        "rows": args.chunk,
-        "tokens": gc_jax.TokenBudget(tokens=args.tokens, buckets=tuple(args.buckets)),
-    }
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {num_train} training pairs")
-    print(f"batch {args.batch}, {args.batches} batches, {args.rounds} interleaved rounds")
-    results = {}
-    for name, chunk_size in settings.items():
-        step = grad_step(model, chunk_size)
-        compiled = step.lower(params, *batches[0]).compile()
-        encoded = np.array([[encoded_tokens(chunk_size, x) for x in b] for b in batches])
-        results[name] = {
-            "step": compiled,
-            "times": [],
-            "padded": 1 - encoded[..., 1].sum() / encoded[..., 0].sum(),
-            "padded_docs": 1 - encoded[:, 1, 1].sum() / encoded[:, 1, 0].sum(),
-            "temp": compiled.memory_analysis().temp_size_in_bytes,
-            "shapes": [chunk_shapes(chunk_size, x) for x in batches[0]],
-        }
-        jax.block_until_ready(compiled(params, *batches[0]))  # warm up
-    for _ in range(args.rounds):
-        for r in results.values():
-            tick = time.perf_counter()
-            for b in batches:
-                out = r["step"](params, *b)
-            jax.block_until_ready(out)
-            r["times"].append((time.perf_counter() - tick) / len(batches))
+    print(common.machine())
+    if args.compile_scaling is not None:
+        compile_scaling(args, model, params, chunk, fit, batches[0])
+        return {}
+    settings = {"rows": (chunk, chunk), "tokens": input_budgets(args, fit)}
+    print(f"data {args.data}: batch {args.batch}, queries {args.query_length} / documents "
+          f"{args.document_length} tokens, {args.batches} batches timed x {args.rounds} "
+          f"interleaved rounds; buckets fitted on {args.fit_batches} other batches")  # fmt: skip
+    results = measure(args, model, params, settings, batches)
     if args.tpu:  # after the timing: compiling for TPU takes the CPU for a while
-        for name, chunk_size in settings.items():
-            step = grad_step(model, chunk_size)
-            results[name]["tpu_temp"] = tpu_temp_bytes(step, params, batches[0], args.tpu)
+        for name, chunks in settings.items():
+            results[name].update(tpu_memory(grad_step(model, chunks), params, batches[0], args.tpu))
+    print(f"after: {common.load()}")
     report(results, settings, args)
+    if args.json:
+        keep = {n: {k: v for k, v in r.items() if k != "step"} for n, r in results.items()}
+        settings_text = {n: str(s) for n, s in settings.items()}
+        common.write_json(common.ROOT / args.json, {"args": vars(args), "settings": settings_text,
+                                                    "results": keep}, default=float)  # fmt: skip
     return results
 
 
+def _spread(xs, scale=1.0) -> str:
+    xs = [x * scale for x in xs]
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
 def report(results, settings, args) -> None:
-    base = statistics.median(results["rows"]["times"])
-    head = "| chunks | padded tokens (all / code) | step ms (median, range) | vs rows |"
-    head += " temp MiB (CPU) |" + (f" temp MiB (TPU {args.tpu}) |" if args.tpu else "")
-    print(head + " chunk shapes (queries; code) |")
+    rows = results["rows"]
+    tpu = f" TPU {args.tpu} temp MiB: analysis / allocated |" if args.tpu else ""
+    print("| chunks | padded share (all / docs) | GFLOP per step (vs rows) | step s, wall "
+          "| step s, CPU | vs rows, wall | vs rows, CPU | compile s (CPU s) | CPU temp MiB |"
+          f"{tpu} chunk shapes (queries; documents) |")  # fmt: skip
     for name, r in results.items():
-        t = [x * 1000 for x in r["times"]]
-        med = statistics.median(t)
-        tpu = f" {r['tpu_temp'] / 2**20:.1f} |" if args.tpu else ""
+        ratio = lambda key, r=r: [a / b for a, b in zip(r[key], rows[key], strict=True)]
+        mem = ""
+        if args.tpu:
+            mem = f" {r['tpu_temp'] / 2**20:.1f} / {r['tpu_allocated_temp'] / 2**20:.1f} |"
         shapes = "; ".join(", ".join(f"{a}x{b}" for a, b in s) for s in r["shapes"])
-        count = sum(len(s) for s in r["shapes"])
         print(
             f"| {name}: {settings[name]} | {r['padded']:.1%} / {r['padded_docs']:.1%} | "
-            f"{med:.0f} ({min(t):.0f}-{max(t):.0f}) | {med / base / 1000:.2f}x | "
-            f"{r['temp'] / 2**20:.1f} |{tpu} {count}: {shapes} |"
+            f"{r['gflop']:.0f} ({r['gflop'] / rows['gflop']:.2f}x) | {_spread(r['wall'])} | "
+            f"{_spread(r['cpu'])} | {_spread(ratio('wall'))} | {_spread(ratio('cpu'))} | "
+            f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) | {r['temp'] / 2**20:.1f} |{mem} "
+            f"{shapes} |"
         )
 
 

@@ -19,7 +19,7 @@ from gc_jax._flax import nnx_encoder
 from gc_jax._grad_cache import GradCache
 from gc_jax._keras import keras_encoder
 from gc_jax._loss_scale import DynamicLossScale
-from gc_jax._token_chunks import TokenBudget
+from gc_jax._token_budget import TokenBudget
 from gc_jax._train_step import make_train_step
 
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ import numpy as np
 
 from gc_jax import _distributed, _passes, _plan, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._token_chunks import TokenBudget
+from gc_jax._token_budget import TokenBudget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from jax.typing import DTypeLike
 
 from gc_jax import _flax, _plan, _validation, _value_and_grad
 from gc_jax._base import AxisName, PyTree
-from gc_jax._token_chunks import TokenBudget
+from gc_jax._token_budget import TokenBudget
 
 
 def _is_array_tree(value: Any) -> bool:

@@ -19,7 +19,7 @@ import jax
 
 from gc_jax import _chunking, _keys, _layout, _token_chunks, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._token_chunks import TokenBudget
+from gc_jax._token_budget import TokenBudget
 
 ChunkSize = int | TokenBudget
 """What ``chunk_size`` takes: rows per chunk, or a token budget."""

@@ -1,139 +1,31 @@
 """Chunks cut by a token budget: rows grouped by length into buckets, trimmed of padding.
 
-A :class:`TokenBudget` replaces ``chunk_size`` for batches of padded token sequences.
-Each bucket is a padded length ``len_b`` (e.g. 32, 64, 128, 256); its chunks hold
-``tokens // len_b`` rows cut to ``len_b`` tokens, so every chunk holds at most
-``tokens`` tokens and there is one compiled chunk shape per bucket.
-
-Everything works under ``jax.jit``, where the lengths are traced data: each row's
-bucket is the smallest one that holds its tokens; a stable ``argsort`` of the rows by
-bucket gives the order in which they are encoded. Each bucket encodes as many *full*
-chunks of its rows as it has; the rows left over (fewer than a chunk) move up to the
-next bucket, whose chunks are longer, so only the longest bucket has a partial last
-chunk. The number of chunks of a bucket is traced, so each bucket runs a loop with a
-traced trip count (the passes never differentiate through their loops). A chunk
-gathers its rows of that order; the last chunk is filled up with the batch's last
-rows again (*padding rows*), whose representations are not written and whose
-cotangent is zero, so they add nothing. The cache stays one batch-sized array in the
-batch's own row order.
+A :class:`TokenBudget` replaces ``chunk_size`` for batches of padded token sequences:
+bucket ``len_b``'s chunks hold ``tokens // len_b`` rows cut to ``len_b`` tokens (one
+compiled chunk shape per bucket). Under ``jax.jit`` the lengths are traced data: each
+row's bucket is the shortest that holds it; a stable ``argsort`` by bucket orders the
+rows. Each bucket encodes its rows (and those left over from shorter buckets) in full
+chunks, and moves the rest up or pads its last chunk, whichever encodes fewer tokens
+in all (:mod:`gc_jax._token_spans`); its number of chunks is traced, so it runs a
+loop with a traced trip count (the passes never differentiate through their loops).
+A chunk gathers its rows of that order; a partial chunk repeats its bucket's last row
+(*padding rows*: not written, zero cotangent). The cache stays in the batch's order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gc_jax import _keys, _layout, _narrow, _validation
+from gc_jax import _keys, _layout, _narrow, _token_spans, _validation
 from gc_jax._base import PyTree
-
-_MASK = "attention_mask"  # read with a lengths() callable too, where the batch has it
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenBudget:
-    """Chunks of at most ``tokens`` tokens, trimmed to a few bucket lengths.
-
-    Pass it as ``chunk_size`` (to ``cached_value_and_grad``, ``make_train_step`` or
-    ``chunked_encoder``) for an input that is a batch of padded token sequences.
-
-    Attributes:
-      tokens: rows x padded length of every chunk (per device under ``shard_map`` or
-        a sharded ``jit``, like ``chunk_size``). At least the batch's padded length.
-      buckets: increasing padded lengths, e.g. ``(32, 64, 128, 256)``. A batch padded
-        to ``L`` tokens uses the buckets shorter than ``L`` and ``L`` itself, so rows
-        never lose a token; ``L`` larger than every bucket is an error (add ``L``).
-      lengths: where each row's length comes from: the key of the attention mask in
-        a dict batch (default ``"attention_mask"``; the length is one past the last
-        nonzero position, so any mask is exact, left padding included, though only
-        trailing padding is trimmed), or ``lengths(batch) -> int[rows]``, which must
-        count every token the encoder may attend to (where a dict batch also has an
-        ``"attention_mask"``, the larger of the two lengths is used, so an undercount
-        never trims a token). A float leaf ``[rows, L]`` is trimmed too, with a
-        warning: check that its padding positions carry nothing.
-
-    Which leaves are trimmed: every leaf of rank 2 or more whose axis 1 is the padded
-    length ``L`` (token ids, masks, token types, position ids, per-token features);
-    other leaves are taken whole. The encoder's output must not depend on the
-    trimmed padding (a masked transformer with mean or first-token pooling). Each
-    output is one representation per row, or has a token axis: axis 1 the chunk's
-    tokens (token vectors ``[rows, len, dim]``, their mask ``[rows, len]``), cached as
-    ``[B, L, ...]``, zero after each row's bucket length; a loss over tokens must then
-    use the mask (``gc_jax.losses.maxsim_loss``'s ``q_mask``, ``d_mask``).
-
-    Examples:
-      >>> import gc_jax
-      >>> budget = gc_jax.TokenBudget(tokens=2048, buckets=(32, 64, 128))
-      >>> budget.chunk_shapes(padded_length=128, rows=512)  # (rows, tokens) per bucket
-      ((64, 32), (32, 64), (16, 128))
-      >>> budget.chunk_shapes(padded_length=48, rows=512)  # 48 is the longest bucket
-      ((64, 32), (42, 48))
-    """
-
-    tokens: int
-    buckets: tuple[int, ...]
-    lengths: str | Callable[[PyTree], jax.Array] = "attention_mask"
-
-    def __post_init__(self):
-        _positive("tokens", self.tokens)
-        buckets = tuple(self.buckets) if isinstance(self.buckets, tuple | list) else None
-        if not buckets:
-            raise TypeError(
-                f"TokenBudget buckets must be a non-empty tuple of increasing padded lengths, "
-                f"e.g. (32, 64, 128, 256), got {self.buckets!r}."
-            )
-        for i, b in enumerate(buckets):
-            _positive(f"buckets[{i}]", b)
-        if any(a >= b for a, b in itertools.pairwise(buckets)):
-            raise ValueError(
-                f"TokenBudget buckets must increase strictly, got {buckets}; pass them "
-                f"sorted without repeats, e.g. {tuple(sorted(set(buckets)))}."
-            )
-        if not (isinstance(self.lengths, str) or callable(self.lengths)):
-            raise TypeError(
-                "TokenBudget lengths must be the key of the attention mask in a dict batch "
-                f"(a str) or a callable lengths(batch) -> int[rows], got {self.lengths!r}."
-            )
-        object.__setattr__(self, "buckets", tuple(int(b) for b in buckets))
-
-    def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
-        """The buckets a batch padded to ``padded_length`` tokens uses (the last is it)."""
-        if padded_length > self.buckets[-1]:
-            raise ValueError(
-                f"the batch is padded to {padded_length} tokens but the largest bucket of "
-                f"TokenBudget(buckets={self.buckets}) is {self.buckets[-1]}: rows may be "
-                f"longer than every bucket. Add {padded_length} to buckets, or pad and "
-                f"truncate the batch to at most {self.buckets[-1]} tokens."
-            )
-        return (*(b for b in self.buckets if b < padded_length), padded_length)
-
-    def chunk_shapes(self, padded_length: int, rows: int) -> tuple[tuple[int, int], ...]:
-        """``(rows, tokens)`` of each bucket's chunks: the shapes compiled, one per bucket.
-
-        Args:
-          padded_length: the batch's padded length (axis 1 of its token arrays).
-          rows: the batch's rows (per device where ``tokens`` is per device).
-        """
-        if self.tokens < padded_length:
-            raise ValueError(
-                f"TokenBudget(tokens={self.tokens}) is smaller than one row of the longest "
-                f"bucket ({padded_length} tokens, the batch's padded length); pass tokens of "
-                f"at least {padded_length}, e.g. tokens={padded_length * 16} for chunks of "
-                f"16 rows of {padded_length} tokens."
-            )
-        return tuple((min(self.tokens // n, rows), n) for n in self.bucket_lengths(padded_length))
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
-        raise TypeError(f"TokenBudget {name} must be a positive int, got {value!r}.")
+from gc_jax._token_budget import MASK as _MASK  # read with a lengths() callable too
+from gc_jax._token_budget import TokenBudget
 
 
 class BucketChunk(NamedTuple):
@@ -204,8 +96,12 @@ class TokenPlan(NamedTuple):
         b, size = index.bucket, self.rows[index.bucket]
         pos = index.turn * size + jnp.arange(size)
         at = self.starts[:, b : b + 1] + pos[None, :]
-        valid = at < self.ends[:, b : b + 1]
-        at = jnp.minimum(at, self.order.shape[1] - 1)  # padding rows: the last rows again
+        end = self.ends[:, b : b + 1]
+        valid = at < end
+        # Padding rows repeat the span's last row, which fits the bucket (so no row is
+        # cut short, whose encoding could be NaN); where the span is empty, the
+        # shard's shortest row.
+        at = jnp.minimum(at, jnp.maximum(end - 1, 0))
         return jnp.take_along_axis(self.order, at, axis=1), valid
 
     def _trimmed(self, x: jax.Array) -> bool:
@@ -216,9 +112,8 @@ class TokenPlan(NamedTuple):
         rows, _ = self.where(index)
         length = self.lengths[index.bucket]
 
-        def one(x):
-            piece = _gather(x, rows, self.num_shards)
-            return piece[:, :length] if self._trimmed(x) else piece
+        def one(x):  # trimmed before the gather: only the bucket's tokens are read
+            return _gather(x[:, :length] if self._trimmed(x) else x, rows, self.num_shards)
 
         return jax.tree.map(one, tree)
 
@@ -412,10 +307,10 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str,
     shapes = budget.chunk_shapes(padded, batch_size // num_shards)
     rows, lengths = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
     length = row_lengths(batch, budget, name).reshape(num_shards, -1)
-    # The first bucket that holds the row: the number of buckets shorter than it.
-    bucket = jnp.minimum(jnp.sum(length[..., None] > jnp.asarray(lengths), -1), len(lengths) - 1)
+    bucket = _token_spans.bucket_of(length, lengths, jnp)
     order = jnp.argsort(bucket, axis=1, stable=True)
-    starts, ends, trips = _spans(bucket, rows)
+    starts, ends, chunks = _token_spans.spans(bucket, rows, lengths, jnp)
+    trips = jnp.max(chunks, axis=0)
     return TokenPlan(batch_size, num_shards, padded, lengths, rows, order, starts, ends, trips,
                      layout)  # fmt: skip
 
@@ -435,22 +330,3 @@ def _warn_float_columns(batch: PyTree, padded: int, name: str, mask: str) -> Non
                 f"{padded}]) or pass it outside the token batch.",
                 stacklevel=4,
             )
-
-
-def _spans(bucket: jax.Array, rows: tuple[int, ...]):
-    """Each bucket's span of the sorted rows: its full chunks, the leftover rows moved up.
-
-    With the rows sorted by bucket, bucket ``b`` takes, from where ``b - 1`` stopped, as
-    many full chunks as the rows that fit it (bucket ``b`` or shorter) allow; the last
-    bucket takes every row left, its last chunk partial.
-    """
-    fits = jnp.sum(bucket[..., None] <= jnp.arange(len(rows)), axis=1)  # [S, b]: rows <= b
-    start, starts, ends = jnp.zeros_like(fits[:, 0]), [], []
-    for b, size in enumerate(rows):
-        end = bucket.shape[1] if b == len(rows) - 1 else start + (fits[:, b] - start) // size * size
-        starts.append(start)
-        ends.append(jnp.zeros_like(start) + end)  # typed like start (sharded shards)
-        start = ends[-1]
-    starts, ends = jnp.stack(starts, 1), jnp.stack(ends, 1)
-    trips = jnp.max(-(-(ends - starts) // jnp.asarray(rows)), axis=0)
-    return starts, ends, trips

@@ -33,7 +33,7 @@ from jax.typing import DTypeLike
 
 from gc_jax import _distributed, _layout, _loss_scale, _passes, _plan, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._token_chunks import TokenBudget
+from gc_jax._token_budget import TokenBudget
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
 _OWN_KEYWORDS = ("rng", "loss_scale")

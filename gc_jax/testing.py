@@ -17,7 +17,7 @@ import jax
 
 from gc_jax import _plan, _validation
 from gc_jax._base import PyTree
-from gc_jax._token_chunks import TokenBudget
+from gc_jax._token_budget import TokenBudget
 
 
 def _full_batch_reps(encode, params, x, chunk_size, rng, index):

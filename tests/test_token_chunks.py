@@ -8,6 +8,7 @@ bucket changes nothing but float rounding.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import chex
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
+from gc_jax import _token_chunks, _token_spans
 from gc_jax.losses import contrastive_loss
 
 VOCAB, WIDTH, PADDED = 11, 8, 16
@@ -84,9 +86,15 @@ def text_batch(rows, lengths_kind, seed, padded=PADDED):
         "short": rng.integers(1, 4, rows),
         "long": rng.integers(padded - 2, padded + 1, rows),
         "bimodal": np.where(rng.random(rows) < 0.7, rng.integers(1, 5, rows), padded),
+        "lognormal": np.clip(np.round(rng.lognormal(np.log(padded / 5), 0.8, rows)), 1, padded),
     }[lengths_kind]
-    mask = (np.arange(padded)[None, :] < lengths[:, None]).astype(np.int32)
-    ids = rng.integers(1, VOCAB, (rows, padded)) * mask
+    return batch_of_lengths(lengths, seed, padded)
+
+
+def batch_of_lengths(lengths, seed, padded=PADDED):
+    rng = np.random.default_rng(seed)
+    mask = (np.arange(padded)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+    ids = rng.integers(1, VOCAB, mask.shape) * mask
     return {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask)}
 
 
@@ -170,6 +178,26 @@ def test_input_gradients_of_trimmed_leaves():
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+def cheapest_spans(bucket, shapes):
+    """``(tokens, spans)``: each bucket's ``(start, end)`` in the rows sorted by bucket, of
+    the plan encoding the fewest tokens among every choice of rounding each bucket's
+    rows down (the rest move up) or up (a partial chunk), found by trying them all;
+    spans None where two plans tie."""
+    counts, plans = np.bincount(bucket, minlength=len(shapes)), []
+    for up in itertools.product((False, True), repeat=len(shapes) - 1):
+        start, spans, cost = 0, [], 0
+        for b, (rows, n) in enumerate(shapes):
+            left = int(np.sum(counts[: b + 1])) - start
+            taken = left if b == len(shapes) - 1 or up[b] else left // rows * rows
+            spans.append((start, start + taken))
+            cost += -(-taken // rows) * rows * n
+            start += taken
+        plans.append((cost, spans))
+    plans.sort(key=lambda p: p[0])
+    unique = len(plans) == 1 or plans[0][0] < plans[1][0] or plans[0][1] == plans[1][1]
+    return plans[0][0], plans[0][1] if unique else None
+
+
 def reference_with_dropout(loss, encoders, budget, params, *inputs, rng):
     """The full-batch program, with each row encoded at the chunk position and with the key
     gc_jax gives it (the plan redone in numpy), so dropout draws the same masks."""
@@ -179,17 +207,16 @@ def reference_with_dropout(loss, encoders, budget, params, *inputs, rng):
         lengths = np.asarray(x["attention_mask"]).sum(1)
         shapes = budget.chunk_shapes(x["input_ids"].shape[1], len(lengths))
         bucket = np.minimum(np.searchsorted([n for _, n in shapes], lengths), len(shapes) - 1)
-        order, out, number, start = np.argsort(bucket, stable=True), {}, 0, 0
-        for b, (rows, n) in enumerate(shapes):  # full chunks; leftover rows move up
-            fits = np.sum(bucket <= b)
-            end = len(order) if b == len(shapes) - 1 else start + (fits - start) // rows * rows
-            for first in range(start, end, rows):
-                take = order[np.minimum(np.arange(first, first + rows), len(order) - 1)]
+        order, out, number = np.argsort(bucket, stable=True), {}, 0
+        _, spans = cheapest_spans(bucket, shapes)
+        assert spans is not None, "two plans tie: pick another batch"
+        for (rows, n), (start, end) in zip(shapes, spans, strict=True):
+            for first in range(start, end, rows):  # padding rows: the span's last row again
+                take = order[np.minimum(np.arange(first, first + rows), end - 1)]
                 chunk = jax.tree.map(lambda v, t=take, n=n: v[t, :n], x)
                 r = e(p, chunk, jax.random.fold_in(key, number))
                 out.update((row, r[i]) for i, row in enumerate(take[: end - first]))
                 number += 1
-            start = end
         return jnp.stack([out[i] for i in range(len(lengths))])
 
     def total(p):
@@ -201,7 +228,9 @@ def reference_with_dropout(loss, encoders, budget, params, *inputs, rng):
 
 def test_dropout_replayed():
     params, encoders = make_params(), towers(False, dropout=0.3)
-    q, d = text_batch(20, "bimodal", 9), text_batch(20, "uniform", 10)
+    # Batches with one cheapest plan (no tie for the reference to break); the queries'
+    # shortest bucket pads its last chunk.
+    q, d = text_batch(20, "bimodal", 14), text_batch(20, "uniform", 13)
     rng = jax.random.key(3)
     grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
     got = grad_fn(params, q, d, rng=rng)
@@ -315,6 +344,130 @@ def test_one_compiled_shape_per_bucket():
     q, d = text_batch(20, "uniform", 15), text_batch(20, "short", 16)
     jax.jit(gc_jax.cached_value_and_grad(loss_fn, encode, BUDGET))(make_params(), q, d)
     assert seen == {(12, 4), (6, 8), (3, 16)}
+
+
+# ------------------------------------------------------------------- the plan, the buckets
+
+
+def test_spans_encode_the_fewest_tokens():
+    """The plan's dynamic program (NumPy; jax.numpy under jit) against trying every choice
+    of rounding down or up: as few tokens; the spans tile the sorted rows, every row
+    fits its bucket, and a bucket's chunks hold its span."""
+    rng = np.random.default_rng(0)
+    spans = jax.jit(_token_spans.spans, static_argnums=(1, 2, 3))
+    for case in range(300):
+        lengths = tuple(int(n) for n in np.sort(rng.choice(np.arange(1, 65), rng.integers(1, 6),
+                                                           replace=False)))  # fmt: skip
+        n_rows, tokens = int(rng.integers(1, 50)), int(rng.integers(lengths[-1], 300))
+        rows = tuple(min(tokens // n, n_rows) for n in lengths)
+        bucket = _token_spans.bucket_of(rng.integers(1, lengths[-1] + 1, (3, n_rows)), lengths, np)
+        starts, ends, chunks = _token_spans.spans(bucket, rows, lengths, np)
+        if case < 12:
+            traced = spans(jnp.asarray(bucket), rows, lengths, jnp)
+            chex.assert_trees_all_equal(
+                tuple(np.asarray(t) for t in traced), (starts, ends, chunks)
+            )
+        for s in range(3):
+            assert starts[s, 0] == 0 and ends[s, -1] == n_rows
+            np.testing.assert_array_equal(ends[s, :-1], starts[s, 1:])
+            for b in range(len(rows)):
+                assert np.all(np.sort(bucket[s])[starts[s, b] : ends[s, b]] <= b)
+            np.testing.assert_array_equal(chunks[s], -(-(ends[s] - starts[s]) // np.array(rows)))
+            tokens_encoded = chunks[s] @ np.multiply(rows, lengths)
+            assert (
+                tokens_encoded
+                == cheapest_spans(bucket[s], list(zip(rows, lengths, strict=True)))[0]
+            )
+
+
+def test_a_shorter_bucket_pads_its_last_chunk_when_that_is_cheaper():
+    """11 short rows: one chunk of 12 x 4 tokens (a padding row) costs 48 tokens; moved up
+    they would cost 6 x 8 plus two more chunks of 3 x 16. Exact, the padding row dropped."""
+    params, encoders = make_params(), towers(False)
+    q = batch_of_lengths([2] * 11 + [16] * 9, 41)
+    d = text_batch(20, "lognormal", 42)
+    plan = _token_chunks.make_plan(q, BUDGET, "q")
+    assert np.asarray(plan.trips).tolist() == [1, 0, 3]
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
+    chex.assert_trees_all_close(
+        grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d), **TOL
+    )
+
+
+def fitted_budget(batches, max_buckets=3):
+    sample = np.stack([np.asarray(b["attention_mask"]).sum(1) for b in batches])
+    return gc_jax.TokenBudget.for_lengths(sample, 48, PADDED, max_buckets=max_buckets,
+                                          multiple=2, min_saving=0.0)  # fmt: skip
+
+
+def test_fitted_budget_on_eight_devices():
+    """Budgets from ``for_lengths`` on long-tailed lengths, each device's rows planned on
+    their own (spans, partial chunks and padding rows differ between devices): exact
+    under sharded ``jit`` over explicit axes without ``jax.set_mesh``, and ``shard_map``."""
+    mesh = jax.make_mesh((8,), ("d",))
+    params, encoders = make_params(), towers(False, one_hot=True)
+    q, d = text_batch(64, "lognormal", 43), text_batch(64, "bimodal", 44)
+    budgets = (fitted_budget([q]), fitted_budget([d]))
+    assert budgets[0].buckets != (PADDED,) and budgets[1].buckets != (PADDED,)
+    want = full_batch(loss_fn, encoders, params, q, d)
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
+    cached = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, budgets))
+    chex.assert_trees_all_close(jax.device_get(cached(params, put(q), put(d))), want, **TOL)
+    loss = lambda p, q, d: loss_fn(p, q, d, axis_name="d")
+    grad_fn = gc_jax.cached_value_and_grad(loss, encoders, budgets, axis_name="d")
+    step = jax.jit(
+        jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=(P(), P()))
+    )
+    chex.assert_trees_all_close(jax.device_get(step(params, put(q), put(d))), want, **TOL)
+
+
+def test_for_lengths_finds_the_cheapest_buckets():
+    """Against every set of buckets (multiples of 16 below 64, at most 2, and 64): the
+    fitted budget encodes as few tokens, counted by trying every plan."""
+    sample = np.clip(np.random.default_rng(5).lognormal(np.log(14), 0.8, (4, 32)), 1, 64)
+    sample = sample.astype(int)
+    budget = gc_jax.TokenBudget.for_lengths(sample, 256, 64, max_buckets=3, multiple=16,
+                                            min_saving=0.0)  # fmt: skip
+
+    def tokens(buckets):
+        shapes = gc_jax.TokenBudget(256, buckets).chunk_shapes(64, sample.shape[1])
+        bucket_of = lambda x: np.minimum(np.searchsorted(buckets, x), len(buckets) - 1)
+        return sum(cheapest_spans(bucket_of(x), shapes)[0] for x in sample)
+
+    subsets = [c for k in range(3) for c in itertools.combinations((16, 32, 48), k)]
+    assert budget.buckets[-1] == 64 and len(budget.buckets) <= 3
+    assert all(b % 16 == 0 for b in budget.buckets)
+    assert tokens(budget.buckets) == min(tokens((*c, 64)) for c in subsets)
+    assert tokens(budget.buckets) < tokens((64,))
+
+
+def test_for_lengths_adds_only_buckets_that_save():
+    full = np.full((2, 16), 64)  # every row fills the padded length
+    assert gc_jax.TokenBudget.for_lengths(full, 256, 64).buckets == (64,)
+    short = np.full((2, 16), 10)
+    assert gc_jax.TokenBudget.for_lengths(short, 256, 64, multiple=8).buckets == (16, 64)
+    assert gc_jax.TokenBudget.for_lengths(short, 256, 64, max_buckets=1).buckets == (64,)
+    fitted = gc_jax.TokenBudget.for_lengths(short, 256, 64, lengths="mask")
+    assert fitted.lengths == "mask" and fitted.tokens == 256
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sample": np.ones((2, 3), np.float32)}, ValueError, "integer row lengths.*float32"),
+        ({"sample": np.ones((2, 3, 4), int)}, ValueError, r"shape \(2, 3, 4\)"),
+        ({"sample": np.array([3, 70])}, ValueError, r"from 3 to 70, outside \[0, padded_length=64"),
+        ({"padded_length": "64"}, TypeError, "padded_length must be a positive int"),
+        ({"max_buckets": 0}, TypeError, "max_buckets must be a positive int"),
+        ({"multiple": 0}, TypeError, "multiple must be a positive int"),
+        ({"min_saving": 1.0}, ValueError, r"min_saving must be a share in \[0, 1\)"),
+        ({"tokens": 32}, ValueError, r"tokens=32\) is smaller than one row.*at least 64"),
+    ],
+)
+def test_for_lengths_errors(kwargs, error, match):
+    args = {"sample": np.array([3, 9, 40]), "tokens": 256, "padded_length": 64, **kwargs}
+    with pytest.raises(error, match=match):
+        gc_jax.TokenBudget.for_lengths(**args)
 
 
 # ---------------------------------------------------------------------------- errors

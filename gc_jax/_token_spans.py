@@ -1,0 +1,171 @@
+"""Where each bucket's chunks lie in the sorted rows: the plan that encodes fewest tokens.
+
+Rows are sorted by bucket (the shortest bucket that holds them). Every chunk of
+bucket ``b`` holds ``rows[b]`` rows of ``lengths[b]`` tokens, whether its rows are
+real or padding, so a plan costs the tokens of the chunks it runs. Bucket ``b``
+takes the rows left over from the buckets before it and its own, and either
+
+* *rounds down*: encodes only as many full chunks as those rows fill, the rest
+  (fewer than a chunk) moving up to bucket ``b + 1``, whose chunks are longer; or
+* *rounds up*: encodes them all, its last chunk filled up with padding rows.
+
+The longest bucket always rounds up. Which is cheaper depends on the buckets after
+``b``; :func:`spans` picks, for each shard's traced lengths, the choice at every
+bucket that encodes the fewest tokens (a dynamic program over the last bucket that
+rounded up: ``O(buckets)`` vector operations). The same code runs on NumPy arrays,
+for :func:`propose_buckets`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def bucket_of(length: Any, bucket_lengths: tuple[int, ...], xp: Any) -> Any:
+    """Each row's bucket: the first that holds its tokens (the longest for any longer)."""
+    shorter = xp.sum(length[..., None] > xp.asarray(bucket_lengths), axis=-1)
+    return xp.minimum(shorter, len(bucket_lengths) - 1)
+
+
+def _ceil_div(a: Any, b: int) -> Any:
+    return -(-a // b)
+
+
+def spans(bucket: Any, rows: tuple[int, ...], lengths: tuple[int, ...], xp: Any):
+    """Each bucket's span of every shard's rows sorted by bucket, the cheapest plan.
+
+    Args:
+      bucket: ``int[S, n]``, each row's bucket, per shard.
+      rows: rows of each bucket's chunks.
+      lengths: tokens of each bucket's chunks.
+      xp: ``jax.numpy`` (traced) or ``numpy``.
+
+    Returns:
+      ``(starts, ends, chunks)``, each ``int[S, buckets]``: bucket ``b`` encodes the
+      sorted rows ``starts[:, b]:ends[:, b]`` in ``chunks[:, b]`` chunks.
+    """
+    k_all = len(rows)
+    fits = xp.sum(bucket[..., None] <= xp.arange(k_all), axis=1)  # [S, K]: rows <= bucket b
+    zero = fits[:, :1] * 0
+    # Column j of these: the plan whose last bucket to round up was j - 1 (j = 0: none
+    # yet), continued by rounding down. start: its first row not yet encoded; cost:
+    # tokens of its chunks so far; best[j]: the cheapest plan up to that round-up.
+    start, cost, best, previous = zero, zero * 0.0, zero * 0.0, []
+    for b, (size, length) in enumerate(zip(rows, lengths, strict=True)):
+        left = fits[:, b : b + 1] - start
+        up = best + cost + _ceil_div(left, size) * float(size * length)
+        previous.append(xp.argmin(up, axis=1))  # where the cheapest round-up at b came from
+        best = xp.concatenate([best, xp.min(up, axis=1, keepdims=True)], axis=1)
+        down = left // size
+        cost = xp.concatenate([cost + down * float(size * length), zero * 0.0], axis=1)
+        start = xp.concatenate([start + down * size, fits[:, b : b + 1]], axis=1)
+    up = _round_ups(xp.stack(previous, axis=1), xp)
+    start, starts, ends, chunks = zero[:, 0], [], [], []
+    for b, size in enumerate(rows):
+        left = fits[:, b] - start
+        taken = xp.where(up[:, b], left, left // size * size)
+        starts.append(start)
+        ends.append(start + taken)
+        chunks.append(_ceil_div(taken, size))
+        start = ends[-1]
+    return xp.stack(starts, 1), xp.stack(ends, 1), xp.stack(chunks, 1)
+
+
+def _round_ups(previous: Any, xp: Any) -> Any:
+    """``bool[S, K]``: the buckets that round up, read back from the last one."""
+    k_all = previous.shape[1]
+    ids = xp.arange(k_all)
+    up = previous * 0 + ids == k_all - 1  # [S, K], typed like the shards
+    column = previous[:, -1]
+    for _ in range(k_all - 1):
+        b = column - 1  # the bucket that rounded up before (-1: none)
+        up = up | (ids[None, :] == b[:, None])
+        back = xp.take_along_axis(previous, xp.maximum(b, 0)[:, None], axis=1)[:, 0]
+        column = xp.where(b >= 0, back, 0)
+    return up
+
+
+def encoded_tokens(lengths: np.ndarray, tokens: int, buckets: tuple[int, ...]) -> np.ndarray:
+    """Tokens the plan encodes for each batch of ``lengths`` (``[batches, rows]``)."""
+    rows = tuple(min(tokens // n, lengths.shape[1]) for n in buckets)
+    _, _, chunks = spans(bucket_of(lengths, buckets, np), rows, buckets, np)
+    return chunks @ np.asarray([r * n for r, n in zip(rows, buckets, strict=True)])
+
+
+def propose_buckets(lengths: np.ndarray, tokens: int, padded_length: int, max_buckets: int,
+                    multiple: int, min_saving: float) -> tuple[int, ...]:  # fmt: skip
+    """Buckets (multiples of ``multiple``, and ``padded_length``) for which the plan
+    encodes the fewest tokens over the batches of ``lengths``.
+
+    Buckets are added one at a time (the one that saves most) while one saves at
+    least ``min_saving`` of the tokens; then, from that set and from as many buckets
+    at equally spaced quantiles of the lengths, each bucket is moved in turn to its
+    best place while that helps, and the cheaper result is kept.
+    """
+    candidates = list(range(multiple, padded_length, multiple))
+    cost = lambda buckets: float(encoded_tokens(lengths, tokens, buckets).mean())
+    chosen, current = (padded_length,), cost((padded_length,))
+    while len(chosen) < max_buckets:
+        scored = [(cost(t), t) for t in _with_each(chosen, candidates)]
+        if not scored or min(scored)[0] > current * (1 - min_saving):
+            break
+        current, chosen = min(scored)
+    count = len(chosen) - 1
+    quantiles = np.quantile(lengths, np.arange(1, count + 1) / (count + 1))
+    halves = [padded_length >> (count - i) for i in range(count)]  # L/2^count, ..., L/2
+    starts = [chosen]
+    for guess in (quantiles, halves):
+        near = {min(max(multiple, -(-int(n) // multiple) * multiple), padded_length) for n in guess}
+        starts.append((*sorted(near - {padded_length}), padded_length))
+    return min(_refined(start, candidates, cost) for start in starts)[1]
+
+
+def _with_each(buckets: tuple[int, ...], candidates: list[int]) -> list[tuple[int, ...]]:
+    return [tuple(sorted({*buckets, n})) for n in candidates if n not in buckets]
+
+
+def _refined(buckets: tuple[int, ...], candidates: list[int], cost) -> tuple[float, tuple]:
+    """``(cost, buckets)`` after moving each bucket but the last to its best place, in
+    turn, while that lowers the cost."""
+    current = cost(buckets)
+    for _ in range(4):
+        moved = False
+        for i in range(len(buckets) - 1):
+            trials = _with_each(buckets[:i] + buckets[i + 1 :], candidates)
+            best_cost, best = min((cost(t), t) for t in trials)
+            if best_cost < current:
+                current, buckets, moved = best_cost, best, True
+        if not moved:
+            break
+    return current, buckets
+
+
+def checked_sample(sample: Any, padded_length: Any, max_buckets: Any, multiple: Any,
+                   min_saving: Any) -> np.ndarray:  # fmt: skip
+    """``sample`` as ``int[batches, rows]``; raises naming the argument that is wrong."""
+    for name, value in (("padded_length", padded_length), ("max_buckets", max_buckets),
+                        ("multiple", multiple)):  # fmt: skip
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
+            raise TypeError(
+                f"TokenBudget.for_lengths {name} must be a positive int, got {value!r}."
+            )
+    if not isinstance(min_saving, int | float) or not 0 <= min_saving < 1:
+        raise ValueError(
+            f"TokenBudget.for_lengths min_saving must be a share in [0, 1), got {min_saving!r}."
+        )
+    array = np.asarray(sample)
+    array = array[None] if array.ndim == 1 else array
+    if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"TokenBudget.for_lengths sample must be integer row lengths [rows] or [batches, "
+            f"rows], e.g. mask.sum(-1), got {array.dtype} of shape {np.shape(sample)}."
+        )
+    if array.min() < 0 or array.max() > padded_length:
+        raise ValueError(
+            f"TokenBudget.for_lengths sample has lengths from {array.min()} to {array.max()}, "
+            f"outside [0, padded_length={padded_length}]; pass each row's tokens (padding "
+            "excluded) and the batches' padded length."
+        )
+    return array
