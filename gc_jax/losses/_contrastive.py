@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _strategies
+from gc_jax.losses import (
+    _blockwise,
+    _common,
+    _docs,
+    _families,
+    _options,
+    _ring_families,
+    _strategies,
+)
 
 
 @_docs.shared_docs
@@ -14,6 +25,13 @@ def contrastive_loss(
     y: jax.Array,
     *,
     temperature: float | jax.Array = 1.0,
+    directions: tuple[str, ...] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    query_ids: jax.Array | None = None,
+    doc_ids: jax.Array | None = None,
+    guide: tuple[jax.Array, jax.Array] | None = None,
+    margin_strategy: str = "absolute",
+    margin: float | jax.Array = 0.0,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -87,13 +105,61 @@ def contrastive_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     k = _common.check_pair(x, y, multiple=True)
+    options = _options.Options(
+        _options.check_directions(directions, partition_mode),
+        partition_mode,
+        _options.check_ids(query_ids, len(x), "query_ids", "x"),
+        _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
+        _options.check_guide(guide, x, y),
+        margin_strategy,
+        _options.check_margin(margin, margin_strategy, guide),
+    )
+    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
+    if options.plain:
 
-    def local(x, y, temperature, *, axis_name, ring):
-        scale = 1.0 / temperature
-        kind = _strategies.Softmax
-        per_row = _common.rows(kind, x, y, k, scale, 0.0, block_size, axis_name, ring)
+        def local(x, y, temperature, *, axis_name, ring):
+            kind, scale = _strategies.Softmax, 1.0 / temperature
+            per_row = _common.rows(kind, x, y, k, scale, 0.0, block_size, axis_name, ring)
+            rows = len(x) * _common.num_devices(axis_name)
+            return _common.reduce(per_row, rows, reduction, axis_name)
+
+        return _common.run(local, x, y, (temperature,), sides=(y,), **kw)
+
+    spec = _options.spec(options, k)
+
+    def local_options(x, y, temperature, margin, *, extras, axis_name, ring):
+        opts = options._replace(margin=margin, **extras)
+        per_row = _rows(spec, opts, x, y, 1.0 / temperature, block_size, axis_name, ring)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
-    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    return _common.run(local, x, y, (temperature,), sides=(y,), **kw)
+    extras = {"query_ids": options.query_ids, "doc_ids": options.doc_ids, "guide": options.guide}
+    sides = (y, x) if any(f.cols == "x" for f in spec.families) else (y,)
+    sides += () if options.guide is None else options.guide
+    scalars = (temperature, options.margin)
+    return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
+
+
+def _rows(spec, options, x, y, scale, block_size, axis_name, ring) -> jax.Array:
+    """Per-query losses with ``options``, in the dense, blockwise or ring form."""
+    n = len(x)
+    if ring:
+        block = block_size or max(n, len(y))  # dense: one tile per travelling block
+        return _ring_families.rows(spec, options, x, y, scale, block, axis_name)
+    acc = _blockwise.accumulation_dtype(x, y, scale)
+    if axis_name is None:  # one device, or jit over a mesh: every array whole
+        whole = lambda v: _distributed.reshard_typed(v, P())
+        x, y, options = whole(x), whole(y), options.map_arrays(whole)
+        offset, cols, gathered = 0, options, {"cx": None, "cy": None}
+    else:
+        gather = lambda v: _distributed.all_gather(v, axis_name)
+        offset = _distributed.axis_index_offset(n, axis_name)
+        cols = options.map_arrays(gather)
+        x_cols = any(f.cols == "x" for f in spec.families)
+        gathered = {"cx": gather(x) if x_cols else None, "cy": gather(y)}
+    meta = _options.metadata(options, spec, offset, 0, cols)
+    meta["targets"] = _options.targets(spec, offset, n)
+    sides = {"x": x, "y": y, **gathered}
+    if block_size is not None:
+        return _families.blockwise(spec, block_size, sides, scale, meta)
+    return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)
