@@ -17,6 +17,7 @@ query's id; for a document column, its query's, counted only on positives) and `
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 
 def _equal(a: jax.Array, b: jax.Array) -> jax.Array:
     """``[rows, cols]``: whether row ``i`` of ``a`` equals row ``j`` of ``b`` (ids ``[., w]``)."""
-    return jnp.all(a[:, None, :] == b[None, :, :], axis=-1)
+    eq = [a[:, None, w] == b[None, :, w] for w in range(a.shape[1])]  # no reduce: fused
+    return functools.reduce(jnp.logical_and, eq)
 
 
 def _or(a: jax.Array | None, b: jax.Array) -> jax.Array:
@@ -81,7 +83,9 @@ class Rule(NamedTuple):
             scores = jnp.matmul(rm["g"], cm["g"].T, preferred_element_type=jnp.float32)
             t, margin = rm["t"], rm["margin"]
             bar = t - margin if self.guide == "absolute" else t - jnp.abs(t) * margin
-            drop = _or(drop, scores > bar[:, None])
+            # One boolean tile, materialised: else each consumer recomputes it from the
+            # scores, which then stay live beside the logits (a fourth float tile).
+            drop = jax.lax.optimization_barrier(_or(drop, scores > bar[:, None]))
         return drop
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from gc_jax.losses._families import Family, Spec
 from gc_jax.losses._masks import Rule
-from gc_jax.losses._tiles import Firsts
+from gc_jax.losses._tiles import Firsts, Repeated
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
@@ -162,10 +162,16 @@ def spec(options: Options, k: int) -> Spec:
 
 
 def thresholds(guide: tuple[jax.Array, jax.Array], k: int) -> jax.Array:
-    """``[n]``: the guide's score of each query's positive pair (in float32)."""
+    """``[n]``: the guide's score of each query's positive pair (in float32).
+
+    With ``k > 1`` every document of a query is scored (``[n, k]``, small) and the
+    first kept: a strided slice of the guide's documents would be a batch-sized copy.
+    """
     gx, gy = guide
-    gy = Firsts(gy, k).grouped()[:, 0] if k > 1 else gy
-    return jnp.sum(gx.astype(jnp.float32) * gy.astype(jnp.float32), axis=-1)
+    if k == 1:
+        return jnp.einsum("nd,nd->n", gx, gy, preferred_element_type=jnp.float32)
+    grouped = Firsts(gy, k).grouped()
+    return jnp.einsum("nd,nkd->nk", gx, grouped, preferred_element_type=jnp.float32)[:, 0]
 
 
 def metadata(
@@ -197,7 +203,7 @@ def metadata(
         col_x["pid"], col_y["pid"] = Firsts(cols.doc_ids, k), cols.doc_ids
     if cols.query_ids is not None:
         col_x["qid"] = cols.query_ids
-        col_y["qid"] = jnp.repeat(cols.query_ids, k, axis=0) if k > 1 else cols.query_ids
+        col_y["qid"] = Repeated(cols.query_ids, k) if k > 1 else cols.query_ids
     if cols.guide is not None:
         col_x["g"], col_y["g"] = cols.guide
     used = {f.cols for f in spec.families}

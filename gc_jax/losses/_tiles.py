@@ -59,17 +59,59 @@ class Firsts:
         return self.array[:: self.k]
 
 
+@jax.tree_util.register_pytree_node_class
+class Repeated:
+    """``repeat(array, k)``: row ``j`` is row ``j // k`` of ``array``, read without the copy.
+
+    A query's id beside each of its ``k`` documents. A pytree like :class:`Firsts`.
+    """
+
+    def __init__(self, array: Any, k: int):
+        self.array, self.k = array, k
+
+    def tree_flatten(self):
+        return (self.array,), self.k
+
+    @classmethod
+    def tree_unflatten(cls, k, children):
+        return cls(children[0], k)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.array.shape[0] * self.k, *self.array.shape[1:])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, start: jax.Array, size: int) -> jax.Array:
+        """Rows ``start : start + size``: a slice of ``array`` around them, then a gather."""
+        n = self.array.shape[0]
+        span = min(n, size // self.k + 2)  # covers every row the block repeats
+        base = jnp.minimum(start // self.k, n - span)
+        around = jax.lax.dynamic_slice_in_dim(self.array, base, span)
+        return around[(start + jnp.arange(size)) // self.k - base]
+
+    def whole(self) -> jax.Array:
+        """The repeated rows as one array (for the dense form only)."""
+        return jnp.repeat(self.array, self.k, axis=0)
+
+
+_VIEWS = (Firsts, Repeated)
+
+
 def dense(v: Any) -> Any:
-    """``v`` with every :class:`Firsts` in it copied out whole (the dense form)."""
-    return jax.tree.map(lambda a: a.whole() if isinstance(a, Firsts) else a, v, is_leaf=_is_firsts)
+    """``v`` with every view in it (:class:`Firsts`, :class:`Repeated`) copied out whole."""
+    return jax.tree.map(lambda a: a.whole() if _is_view(a) else a, v, is_leaf=_is_view)
 
 
-def _is_firsts(v: Any) -> bool:
-    return isinstance(v, Firsts)
+def _is_view(v: Any) -> bool:
+    return isinstance(v, _VIEWS)
 
 
-def read(v: jax.Array | Firsts, start: jax.Array, size: int) -> jax.Array:
+def read(v: jax.Array | Firsts | Repeated, start: jax.Array, size: int) -> jax.Array:
     """Rows ``start : start + size`` of ``v``."""
+    if isinstance(v, Repeated):
+        return v.read(start, size)
     if isinstance(v, Firsts):
         grouped = v.grouped()
         zeros = (0,) * (grouped.ndim - 1)
@@ -85,10 +127,10 @@ def read_tree(tree: Any, start: jax.Array, size: int) -> Any:
     """Rows ``start : start + size`` of every per-row leaf of ``tree`` (scalars as they are)."""
 
     def one(v):
-        scalar = not isinstance(v, Firsts) and jnp.ndim(v) == 0
+        scalar = not _is_view(v) and jnp.ndim(v) == 0
         return v if scalar else read(v, start, size)
 
-    return jax.tree.map(one, tree, is_leaf=_is_firsts)
+    return jax.tree.map(one, tree, is_leaf=_is_view)
 
 
 def write(buf: jax.Array | Firsts, rows: jax.Array, start: jax.Array) -> jax.Array | Firsts:
