@@ -37,22 +37,65 @@ def contrastive_loss(
     axis_name: AxisName | None = None,
     method: str = "auto",
 ) -> jax.Array:
-    """InfoNCE of each query row of ``x`` against every row of ``y``.
+    """InfoNCE of queries ``x`` against documents ``y``, with GTE's and GISTEmbed's options.
 
     ``y`` holds ``k = len(y) // len(x)`` rows per query: its positive first, then its
-    hard negatives, so query ``i``'s positive is row ``i * k``, and every other row of
-    the global ``y`` is a negative. With ``s(a, b) = a . b / temperature``, query
-    ``i``'s loss is::
+    hard negatives, so query ``i``'s positive is ``p_i = y[i * k]``. With
+    ``s(a, b) = a . b / temperature``, query ``i``'s loss is::
 
-      loss_i = -log( exp(s(x_i, y_ik)) / sum_j exp(s(x_i, y_j)) )
-             = logsumexp_j s(x_i, y_j) - s(x_i, y_ik)
+      loss_i = log Z_i - s(x_i, p_i)
+      Z_i =   sum_j         exp(s(x_i, y_j))   "query_to_doc"   (always)
+            + sum_{e != i}  exp(s(x_i, x_e))   "query_to_query"
+            + sum_e         exp(s(p_i, x_e))   "doc_to_query"
+            + sum_{j not i} exp(s(p_i, y_j))   "doc_to_doc"
 
-    the sum running over every row ``j`` of ``y``, across devices.
+    every sum over the global batch (across devices), only the ``directions``
+    chosen (default: ``query_to_doc`` alone, plain InfoNCE: every other row of
+    ``y`` is a negative); ``j not i``: the documents of queries other than ``i``.
+    ``partition_mode="per_direction"`` averages one InfoNCE per direction instead,
+    ``loss_i = mean_D log Z_i^D - s(x_i, p_i)`` (for the directions that hold the
+    positive pair: ``query_to_doc`` and ``doc_to_query``, symmetric InfoNCE). These
+    are sentence-transformers 6.2's ``MultipleNegativesRankingLoss(directions=,
+    partition_mode=)`` with ``scale = 1 / temperature``; GTE (Li et al., 2023) uses
+    the four directions, joint.
+
+    *False negatives* are removed from every sum (the positive pair itself, in
+    ``query_to_doc`` and ``doc_to_query``, never is):
+
+    * ``doc_ids``: every document with the id of ``p_i`` (a duplicate of the
+      positive in the batch, or a hard negative that is the positive again), and
+      every query whose positive has that id.
+    * ``query_ids``: every query with the id of ``x_i`` (a duplicate query), and
+      that query's positive.
+    * ``guide``: every pair the guide model scores above its score of the positive
+      pair, ``t_i = g(x_i, p_i)``, less a margin: ``g > t_i - margin``
+      (``margin_strategy="absolute"``) or ``g > t_i - |t_i| * margin``
+      (``"relative"``), as sentence-transformers 6.2's ``GISTEmbedLoss``. ``g`` is
+      the dot product of the guide's representations: normalise them for its
+      cosine. ``directions=("query_to_doc", "query_to_query", "doc_to_doc")`` is its
+      default (contrasting anchors and positives); with hard negatives, its
+      positive-positive term leaves them out where ``doc_to_doc`` contrasts them.
 
     Args:
       x: queries, ``[n, d]``.
       y: documents, ``[n * k, d]``.
       temperature: logits are ``x @ y.T / temperature``; may be a traced parameter.
+      directions: the terms of the partition function (see above), a tuple of
+        ``"query_to_doc"`` (required), ``"query_to_query"``, ``"doc_to_query"``
+        and ``"doc_to_doc"``.
+      partition_mode: ``"joint"`` (one partition function over every direction)
+        or ``"per_direction"`` (one per direction, averaged).
+      query_ids: an id per query, ``[n]`` or ``[n, w]`` integers (rows of ``w``
+        words compare whole), e.g. :func:`text_ids` of its tokens; or None.
+        Across devices, split like ``x``.
+      doc_ids: an id per document, ``[n * k]`` or ``[n * k, w]``; or None. Across
+        devices, split like ``y``.
+      guide: ``(guide_x, guide_y)``, a frozen guide model's representations of the
+        rows of ``x`` and ``y`` (``[n, g]``, ``[n * k, g]``, split like them across
+        devices; no gradient reaches them), or None.
+      margin_strategy: ``"absolute"`` or ``"relative"`` (with ``guide``).
+      margin: the guide's margin (with ``guide``; ``0``: drop what it scores above
+        the positive).
       {shared args}
 
     Returns:
@@ -101,6 +144,50 @@ def contrastive_loss(
       ...     in_specs=(P("data"), P("data"), P()), out_specs=(P(), (P("data"), P("data"), P()))))
       >>> got = f(jax.device_put(x, rows), jax.device_put(y, rows), 0.5)
       >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
+      True
+
+      GTE's improved contrastive loss, duplicates masked by the ids of their tokens
+      (documents 0 and 2 are one text): a smaller partition function, a smaller loss.
+
+      >>> from gc_jax.losses import text_ids
+      >>> tokens = jnp.array([[5, 6, 0], [7, 8, 9], [5, 6, 0], [1, 2, 0]])
+      >>> ids = text_ids(tokens, attention_mask=tokens != 0)
+      >>> q, d = jnp.sin(jnp.arange(32.0)).reshape(2, 4, 4)
+      >>> gte = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+      >>> plain = contrastive_loss(q, d, temperature=0.1, directions=gte)
+      >>> masked = contrastive_loss(q, d, temperature=0.1, directions=gte, doc_ids=ids)
+      >>> bool(masked < plain)
+      True
+      >>> tiled = contrastive_loss(q, d, temperature=0.1, directions=gte, doc_ids=ids, block_size=3)
+      >>> bool(jnp.allclose(masked, tiled))
+      True
+
+      GISTEmbed: a frozen guide drops the negatives it scores above the positive.
+      Its representations come from a forward-only chunked pass (no gradient, no
+      activations kept for a backward), in one jitted step with the student's
+      gradient-cached one; the ids and the guide's rows reach the loss as keyword
+      arguments of the step.
+
+      >>> import optax, gc_jax
+      >>> student = lambda w, x, key: jnp.tanh(x @ w)
+      >>> def guide(w, x, key):
+      ...     g = x @ w
+      ...     return g / jnp.linalg.norm(g, axis=-1, keepdims=True)  # cosine scores
+      >>> encode_guide = gc_jax.chunked_encoder(guide, chunk_size=4)
+      >>> gist = ("query_to_doc", "query_to_query", "doc_to_doc")
+      >>> def loss(w, q, d, guide_reps):
+      ...     return contrastive_loss(q, d, temperature=0.05, directions=gist,
+      ...                             guide=guide_reps, margin=0.05)
+      >>> step = gc_jax.make_train_step(loss, student, chunk_size=4, optimizer=optax.sgd(0.1))
+      >>> @jax.jit
+      ... def train(state, guide_w, q, d):
+      ...     guide_w = jax.lax.stop_gradient(guide_w)  # frozen
+      ...     reps = (encode_guide(guide_w, q), encode_guide(guide_w, d))
+      ...     return step(state, q, d, guide_reps=reps)
+      >>> w, guide_w = jnp.eye(4) + 0.1, jnp.eye(4)[::-1] + 0.2
+      >>> q, d = jnp.sin(jnp.arange(64.0)).reshape(2, 8, 4)
+      >>> (w, opt_state), metrics = train((w, optax.sgd(0.1).init(w)), guide_w, q, d)
+      >>> bool(metrics["is_finite"])
       True
     """
     block_size, method = _common.check_options(reduction, block_size, method)
