@@ -113,8 +113,8 @@ def read(v: jax.Array | Firsts | Repeated, start: jax.Array, size: int) -> jax.A
     if isinstance(v, Repeated):
         return v.read(start, size)
     if isinstance(v, Firsts):
-        grouped = v.grouped()
-        zeros = (0,) * (grouped.ndim - 1)
+        grouped, start = v.grouped(), jnp.asarray(start, jnp.int32)
+        zeros = (jnp.int32(0),) * (grouped.ndim - 1)
         sizes = (size, 1, *grouped.shape[2:])
         get = lambda a: jax.lax.dynamic_slice(a, (start, *zeros), sizes)
         got = _narrow.on_cpu_as_bits(get, grouped) if _narrow.is_narrow(grouped) else get(grouped)
@@ -138,7 +138,7 @@ def write(buf: jax.Array | Firsts, rows: jax.Array, start: jax.Array) -> jax.Arr
     if isinstance(buf, Firsts):
         grouped = buf.grouped()
         rows = rows.reshape(rows.shape[0], 1, *rows.shape[1:])
-        at = (start, *(0,) * (grouped.ndim - 1))
+        at = (jnp.asarray(start, jnp.int32), *(jnp.int32(0),) * (grouped.ndim - 1))
         put = lambda a, r: jax.lax.dynamic_update_slice(a, r, at)
         narrow = _narrow.is_narrow(grouped)
         new = _narrow.on_cpu_as_bits(put, grouped, rows) if narrow else put(grouped, rows)
