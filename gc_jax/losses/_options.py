@@ -96,7 +96,7 @@ def check_ids(ids: Any, rows: int, name: str, side: str) -> jax.Array | None:
     if len(shape) not in (1, 2) or shape[0] != rows:
         raise ValueError(
             f"{name} must hold one id per row of {side}: shape ({rows},) or ({rows}, w), "
-            f"got {shape}."
+            f"got {shape} (across devices: this device's rows, split like {side})."
         )
     return ids if len(shape) == 2 else ids.reshape(rows, 1)
 
@@ -118,7 +118,8 @@ def check_guide(guide: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.
             raise ValueError(
                 f"guide[{i}] must be the guide's representations of the rows of {side}, "
                 f"[{v.shape[0]}, guide_dim], got shape {tuple(shape)} for {side} of shape "
-                f"{tuple(v.shape)}: encode the same batch with the guide."
+                f"{tuple(v.shape)}: encode the same batch with the guide (across devices: "
+                f"this device's rows, split like {side})."
             )
     if guide[0].shape[1] != guide[1].shape[1]:
         raise ValueError(

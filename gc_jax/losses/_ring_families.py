@@ -28,7 +28,7 @@ from gc_jax import _distributed
 from gc_jax._base import AxisName
 from gc_jax.losses import _blockwise, _options, _tiles
 from gc_jax.losses._families import Spec
-from gc_jax.losses._ring import after, shift
+from gc_jax.losses._ring import shift
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
 
@@ -52,17 +52,27 @@ def _after(tree: Any, deps: Any) -> Any:
     return jax.tree.map(lambda v: v + zero.astype(v.dtype), tree)
 
 
+def _send(tree: Any, axis_name: AxisName) -> Any:
+    """``tree`` of device ``p - 1``, on every device ``p``: one ``ppermute`` per leaf,
+    each after the one before (independent collectives may deadlock XLA:CPU)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sent = []
+    for leaf in leaves:
+        sent.append(shift(_after(leaf, sent[-1]) if sent else leaf, axis_name))
+    return jax.tree.unflatten(treedef, sent)
+
+
 def _around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
     """``state = visit(block, state, own)`` for every device's block, travelling."""
     size = jax.lax.axis_size(axis_name)
     if size == 1:
         return visit(here, state, True)
-    arriving = shift(here, axis_name)
+    arriving = _send(here, axis_name)
     state = visit(here, state, True)
 
     def step(_, carry):  # send the block on, then compute on it
         here, state = carry
-        return shift(here, axis_name), visit(here, state, False)
+        return _send(here, axis_name), visit(here, state, False)
 
     here, state = jax.lax.fori_loop(1, size - 1, step, (arriving, state))
     return visit(here, state, False)  # the last block is not sent on
@@ -72,15 +82,15 @@ def _around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: Ax
     """``(acc, state) = visit(block, acc, state, own)`` around the ring; ``acc`` (the
     block's gradient) travels one step behind its block and is returned home."""
     size = jax.lax.axis_size(axis_name)
-    arriving = shift(here, axis_name) if size > 1 else here
+    arriving = _send(here, axis_name) if size > 1 else here
     acc, state = visit(here, acc, state, True)
     if size == 1:
         return acc, state
 
     def step(_, carry, send=True):
         here, behind, state = carry
-        arriving = shift(here, axis_name) if send else here
-        behind = shift(behind, axis_name)  # now the accumulator of the block held here
+        arriving = _send(here, axis_name) if send else here
+        behind = shift(_after(behind, arriving), axis_name)  # the block held here's gradient
         behind, state = visit(here, behind, state, False)
         return arriving, behind, state
 
@@ -144,7 +154,8 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
         dx, dy, dscale = state
         state = (dx + home, dy, dscale) if side == "x" else (dx, dy + home, dscale)
     dx, dy, dscale = state
-    dx, dscale = after(dx, dy), after(dscale, dy)  # before the scalars' psum
+    dx, dscale = _after((dx, dscale), dy)  # every ppermute before the scalars' psum
+    dscale = _after(dscale, dx)
     return {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}, dscale
 
 
