@@ -18,7 +18,7 @@ query's id; for a document column, its query's, counted only on positives) and `
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,13 +87,3 @@ class Rule(NamedTuple):
             # scores, which then stay live beside the logits (a fourth float tile).
             drop = jax.lax.optimization_barrier(_or(drop, scores > bar[:, None]))
         return drop
-
-
-def has_rule(rule: Rule) -> bool:
-    """Whether ``rule`` drops anything (else the tiles need no metadata)."""
-    return rule.exclude is not None or rule.guide is not None
-
-
-def ids_meta(meta: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-    """``meta`` with only ``keys`` (those the rules read), dropping absent (None) ones."""
-    return {k: v for k, v in meta.items() if k in keys and v is not None}

@@ -150,6 +150,7 @@ def write(buf: jax.Array | Firsts, rows: jax.Array, start: jax.Array) -> jax.Arr
 def loop(body: Callable, steps: int, init: Any, *arrays: Any) -> Any:
     """``fori_loop`` of ``carry = body(i, carry, *arrays)``, reading blocks of ``arrays``.
 
+    Under ``shard_map`` ``init`` must vary like the ``arrays`` it is computed with.
     ``arrays`` are carried through an optimisation barrier, so XLA cannot hoist work
     on them whole out of the loop (only blocks of them are meant to be touched).
     """
@@ -159,6 +160,9 @@ def loop(body: Callable, steps: int, init: Any, *arrays: Any) -> Any:
         arrays = jax.lax.optimization_barrier(arrays)
         return body(i, carry, *arrays), arrays
 
+    # Every array typed to vary like the others: on JAX 0.10 the barrier's results all
+    # vary over every axis one of its operands varies over (a loop carry must not change).
+    arrays = varying_like(arrays, *arrays)
     return jax.lax.fori_loop(0, steps, step, (init, arrays))[0]
 
 
