@@ -42,7 +42,18 @@ import jax.numpy as jnp
 from gc_jax import _narrow
 from gc_jax.losses import _strategies, _tiles
 from gc_jax.losses._strategies import Rows, Strategy
-from gc_jax.losses._tiles import Firsts, blocks, first, loop, read, read_tree, sizes, tile, write
+from gc_jax.losses._tiles import (
+    Firsts,
+    blocks,
+    first,
+    held,
+    loop,
+    read,
+    read_tree,
+    sizes,
+    tile,
+    write,
+)
 
 Mask = tuple  # (rule, rows_meta, cols_meta): see ``_masks``
 
@@ -204,7 +215,7 @@ class _Sweeps:
             dxq, *scalars = loop(step, blocks(m, bk), init, ys, cols_meta)
             dxq = self.scale * dxq
             if add:  # the rows of the block before already hold their share
-                dxq = jnp.where(own, dxq, 0) + read(dx, qs, bq).astype(acc)
+                dxq = jnp.where(own, dxq, 0) + held(read(dx, qs, bq)).astype(acc)
             return write(dx, dxq.astype(dx.dtype), qs), *scalars
 
         zero = _tiles.zeros(self.ys[0, 0], acc, self.x, self.ys)
@@ -239,7 +250,7 @@ class _Sweeps:
             yk = read(dy if ys is None else ys, j * bk, bk)
             dyk = self.key_grad(j, yk, cols_meta, rows)
             if add:
-                dyk = dyk + read(dy, j * bk, bk).astype(acc)
+                dyk = dyk + held(read(dy, j * bk, bk)).astype(acc)
             return write(dy, dyk.astype(dy.dtype), j * bk)
 
         dy = loop(key_block, m // bk, dy, zero, ys, self.cols_meta, *self.rows)
@@ -248,7 +259,7 @@ class _Sweeps:
             yk = read(dy if ys is None else ys, m - bk, bk)
             last = self.key_grad(blocks(m, bk) - 1, yk, self.cols_meta, self.rows)[bk - own :]
             if add:
-                last = last + read(dy, m - own, own).astype(acc)
+                last = last + held(read(dy, m - own, own)).astype(acc)
             last = last.astype(dy.dtype)
             dy = _narrow.update_in_place(lambda dy: write(dy, last, m - own), dy)
         return dy

@@ -117,11 +117,11 @@ def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar]:
     g = g / spec.groups
     grads: dict[str, Any] = dict.fromkeys(sides)
     dscale = zero
-    for n, fam in enumerate(spec.families):
+    for fam in spec.families:
         rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
         args = (Softmax, block, rows, sides[cols_key], _targets(fam, meta), scale, zero)
         args = (*args, stats[fam.group], g, _mask(fam, meta))
-        if n == 0:  # written over copies of x and the columns: no zeros to start from
+        if len(spec.families) == 1:  # written over copies of x and y: no zeros needed
             dx, dcols, ds, _ = _blockwise.backward(*args)
             grads["x"], grads[cols_key] = dx, dcols
         else:
@@ -134,7 +134,7 @@ def _add_family(fam, args, grads, sides, cols_key, k):
     """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new)."""
     for key in ("y" if fam.rows == "p" else "x", cols_key):
         if grads[key] is None:
-            grads[key] = _tiles.zeros(sides[key], sides[key].dtype, *sides.values())
+            grads[key] = _zeros_of(sides[key], *sides.values())
     row_key = "x" if fam.rows == "x" else "y"
     row_buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
     same = row_key == cols_key  # rows and columns are rows of one array
@@ -145,6 +145,16 @@ def _add_family(fam, args, grads, sides, cols_key, k):
     if not same:
         grads[cols_key] = col_buf
     return grads, dscale
+
+
+def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
+    """Zeros like ``v``, broadcast from a zero computed from ``v`` itself.
+
+    A constant zero would be one broadcast, shared by every side's buffer of that
+    shape and copied into each (a batch-sized temporary); this one is ``v``'s own.
+    """
+    zero = jnp.where(v[0, 0] > jnp.inf, 1, 0).astype(v.dtype)  # never true, NaN included
+    return _tiles.varying_like(jnp.full_like(v, zero), *others)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

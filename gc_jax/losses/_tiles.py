@@ -112,15 +112,21 @@ def read(v: jax.Array | Firsts | Repeated, start: jax.Array, size: int) -> jax.A
     """Rows ``start : start + size`` of ``v``."""
     if isinstance(v, Repeated):
         return v.read(start, size)
-    if isinstance(v, Firsts):
-        grouped, start = v.grouped(), jnp.asarray(start, jnp.int32)
-        zeros = (jnp.int32(0),) * (grouped.ndim - 1)
-        sizes = (size, 1, *grouped.shape[2:])
-        get = lambda a: jax.lax.dynamic_slice(a, (start, *zeros), sizes)
-        got = _narrow.on_cpu_as_bits(get, grouped) if _narrow.is_narrow(grouped) else get(grouped)
-        return got.reshape(size, *grouped.shape[2:])
+    if isinstance(v, Firsts):  # the contiguous slab of their k-row groups, then every k-th
+        slab = read(v.array, start * v.k, size * v.k)
+        return slab.reshape(size, v.k, *slab.shape[1:])[:, 0]
     get = lambda v: jax.lax.dynamic_slice_in_dim(v, start, size)
     return _narrow.on_cpu_as_bits(get, v) if _narrow.is_narrow(v) else get(v)
+
+
+def held(block: jax.Array) -> jax.Array:
+    """A block read from a buffer about to be updated there, as a buffer of its own.
+
+    Fused into the update, the read would keep XLA:CPU from updating a narrow-float
+    buffer in place (through the bits of ``_narrow``): it would copy the whole buffer
+    at every block.
+    """
+    return jax.lax.optimization_barrier(block)
 
 
 def read_tree(tree: Any, start: jax.Array, size: int) -> Any:
@@ -135,14 +141,11 @@ def read_tree(tree: Any, start: jax.Array, size: int) -> Any:
 
 def write(buf: jax.Array | Firsts, rows: jax.Array, start: jax.Array) -> jax.Array | Firsts:
     """``buf`` with ``rows`` written from row ``start`` on (in place)."""
-    if isinstance(buf, Firsts):
-        grouped = buf.grouped()
-        rows = rows.reshape(rows.shape[0], 1, *rows.shape[1:])
-        at = (jnp.asarray(start, jnp.int32), *(jnp.int32(0),) * (grouped.ndim - 1))
-        put = lambda a, r: jax.lax.dynamic_update_slice(a, r, at)
-        narrow = _narrow.is_narrow(grouped)
-        new = _narrow.on_cpu_as_bits(put, grouped, rows) if narrow else put(grouped, rows)
-        return Firsts(new.reshape(buf.array.shape), buf.k)
+    if isinstance(buf, Firsts):  # their slab read, its every k-th row set, written back
+        k = buf.k
+        slab = held(read(buf.array, start * k, rows.shape[0] * k))
+        slab = slab.reshape(rows.shape[0], k, *slab.shape[1:]).at[:, 0].set(rows)
+        return Firsts(write(buf.array, slab.reshape(-1, *slab.shape[2:]), start * k), k)
     put = lambda buf, rows: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, 0)
     return _narrow.on_cpu_as_bits(put, buf, rows) if _narrow.is_narrow(buf) else put(buf, rows)
 
