@@ -69,7 +69,7 @@ class Rule(NamedTuple):
         if self.exclude is not None:
             other = gj != gi if self.exclude == "self" else gj // self.k != gi
             keep = other if keep is None else keep & other
-        return keep
+        return None if keep is None else jax.lax.optimization_barrier(keep)
 
     def _dropped(self, rm: dict, cm: dict, gj: jax.Array) -> jax.Array | None:
         """The false negatives: pairs the ids or the guide drop (or None)."""
