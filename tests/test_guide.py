@@ -53,7 +53,11 @@ PAGES = {
     "porting.md": ["GradCache class", "cachex"],
     "correctness.md": ["check your model", "a model that mixes rows"],
 }
-TESTED_ELSEWHERE = {"models.md"}  # tests/test_docs.py
+TESTED_ELSEWHERE = {
+    "models.md",  # tests/test_docs.py
+    "losses_options.md",  # tests/test_docs_losses_options.py
+    "losses_matryoshka_maxsim.md",  # tests/test_losses_guide.py
+}
 
 
 def blocks(page: str) -> dict[str, str]:

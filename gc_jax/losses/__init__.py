@@ -1,13 +1,14 @@
 """Contrastive losses for cached representations, local or across devices.
 
 * :func:`contrastive_loss`: InfoNCE of queries against documents, with in-batch and
-  hard negatives.
+  hard negatives; GTE's directions, false-negative masks by ids, GISTEmbed's guide.
 * :func:`clip_loss`: CLIP's symmetric InfoNCE of paired rows.
 * :func:`sigmoid_loss`: SigLIP's pairwise sigmoid loss.
 * :func:`maxsim_loss`: InfoNCE over ColBERT's late-interaction (MaxSim) scores of
   multi-vector rows ``[rows, tokens, dim]`` with token masks.
 * :func:`matryoshka`: any of these (or your own) summed over truncated widths of the
   representations, from one cache.
+* :func:`text_ids`: ids of texts from their tokens, for the false-negative masks.
 
 *Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each device
 computes only its own rows' losses against every device's other side, and the loss
@@ -61,6 +62,7 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 # The public losses, one per line (optax style); the forms they share are private.
 from gc_jax.losses._clip import clip_loss
 from gc_jax.losses._contrastive import contrastive_loss
+from gc_jax.losses._ids import text_ids
 from gc_jax.losses._matryoshka import matryoshka
 from gc_jax.losses._maxsim import maxsim_loss
 from gc_jax.losses._sigmoid import sigmoid_loss
@@ -71,4 +73,5 @@ __all__ = [
     "matryoshka",
     "maxsim_loss",
     "sigmoid_loss",
+    "text_ids",
 ]

@@ -34,145 +34,86 @@ gradients of ``x`` and ``ys`` come back in their own dtypes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed, _narrow
-from gc_jax.losses import _strategies
+from gc_jax import _narrow
+from gc_jax.losses import _strategies, _tiles
 from gc_jax.losses._strategies import Rows, Strategy
+from gc_jax.losses._tiles import (
+    Firsts,
+    blocks,
+    first,
+    held,
+    loop,
+    read,
+    read_tree,
+    sizes,
+    tile,
+    write,
+)
+
+Mask = tuple  # (rule, rows_meta, cols_meta): see ``_masks``
 
 Scalar = jax.Array
-
-
-def _read(v: jax.Array, start: jax.Array, size: int) -> jax.Array:
-    """Rows ``start : start + size`` of ``v``."""
-    read = lambda v: jax.lax.dynamic_slice_in_dim(v, start, size)
-    return _narrow.on_cpu_as_bits(read, v) if _narrow.is_narrow(v) else read(v)
-
-
-def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """``buf`` with ``rows`` written from row ``start`` on (in place)."""
-    write = lambda buf, rows: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, 0)
-    return _narrow.on_cpu_as_bits(write, buf, rows) if _narrow.is_narrow(buf) else write(buf, rows)
-
-
-def _loop(body: Callable, steps: int, init: Any, *arrays: jax.Array) -> Any:
-    """``fori_loop`` of ``carry = body(i, carry, *arrays)``, reading blocks of ``arrays``.
-
-    ``arrays`` are carried through an optimisation barrier, so XLA cannot hoist work
-    on them whole out of the loop (only blocks of them are meant to be touched).
-    """
-
-    def step(i, state):
-        carry, arrays = state
-        arrays = jax.lax.optimization_barrier(arrays)
-        return body(i, carry, *arrays), arrays
-
-    return jax.lax.fori_loop(0, steps, step, (init, arrays))[0]
-
-
-def _blocks(rows: int, size: int) -> int:
-    return -(-rows // size)
-
-
-def _first(i: jax.Array, size: int, rows: int) -> jax.Array:
-    """The first row of block ``i``: ``i * size``, but the last block ends at ``rows``.
-
-    A last block that would run past the end starts earlier instead and overlaps the
-    one before it (nothing is padded); its rows before ``i * size`` are masked where
-    they would be counted twice.
-    """
-    return jnp.minimum(i * size, rows - size)
-
-
-def _tile(
-    xq: jax.Array,
-    yk: jax.Array,
-    targets: jax.Array,
-    start: jax.Array,
-    own: jax.Array,
-    scale: Scalar,
-    bias: Scalar,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One tile: raw scores ``xq @ yk.T`` (in ``scale``'s dtype), logits, own columns, targets.
-
-    ``yk`` holds rows ``start ...`` of ``ys``; columns before ``own`` belong to the
-    previous block and are masked out (``valid`` false, never a target).
-    """
-    raw = jnp.matmul(xq, yk.T, preferred_element_type=scale.dtype)
-    cols = start + jnp.arange(yk.shape[0])
-    valid = (cols >= own)[None, :]
-    return raw, scale * raw + bias, valid, valid & (cols[None, :] == targets[:, None])
-
-
-def _own_rows(start: jax.Array, size: int, own: jax.Array) -> jax.Array:
-    """``[size, 1]``: whether each row of a block from ``start`` is at or after ``own``."""
-    return (start + jnp.arange(size) >= own)[:, None]
-
-
-def _sizes(block: int, x: jax.Array, ys: jax.Array) -> tuple[int, int]:
-    return min(block, x.shape[0]), min(block, ys.shape[0])
-
-
-def varying_like(tree: Any, *others: jax.Array) -> Any:
-    """Casts ``tree``'s leaves to vary over every ``shard_map`` axis ``others`` vary over.
-
-    Loop carries must keep their types, and the custom VJP's cotangents must have the
-    types of its inputs: a replicated scalar used with per-device rows is cast outside
-    the custom VJP, and gets its (psummed) gradient through the cast.
-    """
-    return _distributed.vary_like(tree, *others)
-
-
-def _zeros(like: jax.Array, dtype: Any, *others: jax.Array) -> jax.Array:
-    """Zeros typed like ``like`` (shape, and mesh under explicit axes), varying like ``others``."""
-    return varying_like(jnp.zeros_like(like, dtype), *others)
 
 
 def sweep(
     kind: Strategy,
     block: int,
-    x: jax.Array,
+    x: jax.Array | Firsts,
     ys: jax.Array,
-    targets: jax.Array,
+    targets: jax.Array | None,
     scale: Scalar,
     bias: Scalar,
     carry: Rows,
+    mask: Mask | None = None,
 ) -> Rows:
     """``carry`` (one running statistic per row of ``x``) updated with every tile of ``ys``.
 
     A loop over query blocks, an inner one over ``ys``'s blocks. The rows a last,
     overlapping query block shares with the block before keep the values that block
     gave them (they would otherwise count ``ys`` twice). ``_ring`` calls this
-    once per block of ``ys`` that reaches the device.
+    once per block of ``ys`` that reaches the device. ``mask``: ``(rule, rows_meta,
+    cols_meta)``, the pairs each tile keeps (see ``_masks``); None keeps every pair.
     """
-    bq, bk = _sizes(block, x, ys)
+    bq, bk = sizes(block, x, ys)
     n, m = len(x), len(ys)
+    rule, rows_meta, cols_meta = mask or (None, None, None)
 
-    def query_block(i, carry, x, targets, ys):
-        qs = _first(i, bq, n)
-        xq, tq = _read(x, qs, bq), _read(targets, qs, bq)
-        before = tuple(_read(c, qs, bq) for c in carry)
+    def query_block(i, carry, x, targets, ys, rows_meta, cols_meta):
+        qs = first(i, bq, n)
+        xq, tq = read(x, qs, bq), read_tree(targets, qs, bq)
+        rm = read_tree(rows_meta, qs, bq)
+        before = tuple(read(c, qs, bq) for c in carry)
 
-        def step(j, rows, ys):
-            ks = _first(j, bk, m)
-            _, z, valid, pos = _tile(xq, _read(ys, ks, bk), tq, ks, j * bk, scale, bias)
+        def step(j, rows, ys, cols_meta):
+            ks = first(j, bk, m)
+            keep = _keep(rule, rm, cols_meta, qs, bq, ks, bk)
+            _, z, valid, pos = tile(xq, read(ys, ks, bk), tq, ks, j * bk, scale, bias, keep)
             return kind.update(rows, z, valid, pos)
 
-        after = _loop(step, _blocks(m, bk), before, ys)
-        own = _own_rows(qs, bq, i * bq)[:, 0]
+        after = loop(step, blocks(m, bk), before, ys, cols_meta)
+        own = _tiles.own_rows(qs, bq, i * bq)[:, 0]
         rows = (jnp.where(own, a, b) for a, b in zip(after, before, strict=True))
-        return tuple(_write(c, r, qs) for c, r in zip(carry, rows, strict=True))
+        return tuple(write(c, r, qs) for c, r in zip(carry, rows, strict=True))
 
-    return _loop(query_block, _blocks(n, bq), carry, x, targets, ys)
+    return loop(query_block, blocks(n, bq), carry, x, targets, ys, rows_meta, cols_meta)
 
 
-def init(kind: Strategy, x: jax.Array, *others: jax.Array, dtype: Any) -> Rows:
+def _keep(rule, rm, cols_meta, qs, bq, ks, bk) -> jax.Array | None:
+    """The pairs of the tile at rows ``qs``, columns ``ks`` that ``rule`` keeps (or None)."""
+    if rule is None:
+        return None
+    cm = read_tree(cols_meta, ks, bk)
+    return rule.keep(rm, cm, qs + jnp.arange(bq), ks + jnp.arange(bk))
+
+
+def init(kind: Strategy, x: jax.Array | Firsts, *others: Any, dtype: Any) -> Rows:
     """``kind.init`` for the rows of ``x``, typed to vary like ``x`` and ``others``."""
-    return kind.init(_zeros(x[:, 0], dtype, x, *others))
+    return kind.init(_tiles.row_zeros(x, dtype, *others))
 
 
 def _forward(
@@ -192,14 +133,16 @@ def _forward(
 def backward(
     kind: Strategy,
     block: int,
-    x: jax.Array,
+    x: jax.Array | Firsts,
     ys: jax.Array,
-    targets: jax.Array,
+    targets: jax.Array | None,
     scale: Scalar,
     bias: Scalar,
     stat: jax.Array,
     g: jax.Array,
-) -> tuple[jax.Array, jax.Array, Scalar, Scalar]:
+    mask: Mask | None = None,
+    into: tuple[Any, Any] | None = None,
+) -> tuple[Any, Any, Scalar, Scalar]:
     """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile.
 
     Two sweeps recompute every tile's ``dz``: one over query blocks sums each block's
@@ -207,56 +150,15 @@ def backward(
     each block's ``dy`` over the query blocks. A block's gradient is accumulated in
     ``scale``'s dtype and written in its input's dtype: no batch-sized array ever
     exists in a dtype wider than the inputs'.
+
+    ``into``: ``(dx_buf, dy_buf)``, buffers the gradients are *added* to (returned
+    updated, in place of ``dx, dy``); ``dy_buf`` None adds ``dy`` to the array under
+    the updated ``dx_buf`` (``x`` and ``ys`` are rows of one array). Without it
+    ``dx`` and ``dy`` are written over copies of ``x`` and ``ys``.
     """
-    bq, bk = _sizes(block, x, ys)
-    n, m = len(x), len(ys)
-    nq, nk = _blocks(n, bq), _blocks(m, bk)
-    acc = scale.dtype
-    queries = (x, targets, stat, g)
-
-    def read_queries(queries, i):
-        qs = _first(i, bq, n)
-        return tuple(_read(v, qs, bq) for v in queries), _own_rows(qs, bq, i * bq), qs
-
-    def tile_grad(query, yk, ks, own):
-        """A tile's raw scores and ``dz``: a block of queries against keys from ``ks``."""
-        xq, tq, sq, gq = query
-        raw, z, valid, pos = _tile(xq, yk, tq, ks, own, scale, bias)
-        return raw, gq[:, None] * kind.dlogits(z, valid, pos, sq)
-
-    def query_block(i, carry, ys, *queries):
-        query, own, qs = read_queries(queries, i)
-
-        def step(j, carry, ys):
-            dxq, dscale, dbias = carry
-            ks = _first(j, bk, m)
-            yk = _read(ys, ks, bk)
-            raw, dz = tile_grad(query, yk, ks, j * bk)
-            dxq = dxq + jnp.matmul(dz, yk, preferred_element_type=acc)
-            dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
-            return dxq, dscale + (dz * raw).sum(), dbias + dz.sum()
-
-        dx, *scalars = carry
-        dxq, *scalars = _loop(step, nk, (_zeros(query[0], acc, x, ys), *scalars), ys)
-        return _write(dx, (scale * dxq).astype(x.dtype), qs), *scalars
-
-    def key_grad(j, dy, queries):
-        """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before)."""
-        ks = _first(j, bk, m)
-        yk = _read(dy, ks, bk)  # the rows of ``ys`` this block owns are still there
-
-        def step(i, dyk, *queries):
-            query, own, _ = read_queries(queries, i)
-            _, dz = tile_grad(query, yk, ks, j * bk)
-            dz = jnp.where(own, dz, 0)
-            return dyk + jnp.matmul(dz.T, query[0], preferred_element_type=acc)
-
-        return (scale * _loop(step, nq, _zeros(yk, acc, x, ys), *queries)).astype(ys.dtype)
-
-    def key_block(j, dy, zero, *queries):
-        j = j + zero  # ``zero`` is 0 and orders this sweep after the first (see below)
-        return _write(dy, key_grad(j, dy, queries), j * bk)
-
+    sweeps = _Sweeps(kind, block, x, ys, targets, scale, bias, stat, g, mask)
+    if into is not None:
+        return sweeps.add_into(*into)
     # Every row of dx and dy is written, so their buffers start as x and ys (zeros
     # would be one batch-sized broadcast, shared and copied by both). dx needs every
     # row of ys; then dy is written *over* ys, block by block (a last, overlapping
@@ -264,15 +166,114 @@ def backward(
     # block index depends on the first sweep's result, so it provably runs after it
     # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
     # arrays (x, dx, ys/dy), not four.
-    zero = _zeros(ys[0, 0], acc, x, ys)
-    init = (varying_like(x, x, ys), zero, zero)
-    dx, dscale, dbias = _loop(query_block, nq, init, ys, *queries)
-    dy = _loop(key_block, m // bk, varying_like(ys, x, ys), _zero_after(dscale), *queries)
-    if m % bk:  # the last block overlaps the one before: only its own rows are written
-        own = m % bk
-        last = key_grad(nk - 1, dy, queries)[bk - own :]
-        dy = _narrow.update_in_place(lambda dy: _write(dy, last, m - own), dy)
+    dx, dscale, dbias = sweeps.query_sweep(_tiles.varying_like(x, x, ys), add=False)
+    dy = sweeps.key_sweep(_tiles.varying_like(ys, x, ys), _zero_after(dscale), add=False)
     return dx, dy, dscale, dbias
+
+
+class _Sweeps:
+    """The two sweeps of :func:`backward` over one loss's tiles."""
+
+    def __init__(self, kind, block, x, ys, targets, scale, bias, stat, g, mask):
+        self.kind, self.x, self.ys, self.scale, self.bias = kind, x, ys, scale, bias
+        (self.bq, self.bk), self.n, self.m = sizes(block, x, ys), len(x), len(ys)
+        self.rule, rows_meta, self.cols_meta = mask or (None, None, None)
+        self.rows = (x, targets, stat, g, rows_meta)
+
+    def read_rows(self, rows, i):
+        qs = first(i, self.bq, self.n)
+        return read_tree(rows, qs, self.bq), _tiles.own_rows(qs, self.bq, i * self.bq), qs
+
+    def tile_grad(self, row, qs, yk, ks, own, cm):
+        """A tile's raw scores and ``dz``: a block of queries against keys from ``ks``."""
+        xq, tq, sq, gq, rm = row
+        keep = None if self.rule is None else self.rule.keep(rm, cm, *self.positions(qs, ks))
+        raw, z, valid, pos = tile(xq, yk, tq, ks, own, self.scale, self.bias, keep)
+        return raw, gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
+
+    def positions(self, qs, ks):
+        return qs + jnp.arange(self.bq), ks + jnp.arange(self.bk)
+
+    def query_sweep(self, dx, add):
+        """``dx`` with each query block's gradient written (or added), and the scalars'."""
+        acc, bq, bk, m = self.scale.dtype, self.bq, self.bk, self.m
+
+        def query_block(i, carry, ys, cols_meta, *rows):
+            row, own, qs = self.read_rows(rows, i)
+
+            def step(j, carry, ys, cols_meta):
+                dxq, dscale, dbias = carry
+                ks = first(j, bk, m)
+                yk = read(ys, ks, bk)
+                raw, dz = self.tile_grad(row, qs, yk, ks, j * bk, read_tree(cols_meta, ks, bk))
+                dxq = dxq + jnp.matmul(dz, yk, preferred_element_type=acc)
+                dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
+                return dxq, dscale + (dz * raw).sum(), dbias + dz.sum()
+
+            dx, *scalars = carry
+            init = (_tiles.zeros(row[0], acc, self.x, ys), *scalars)
+            dxq, *scalars = loop(step, blocks(m, bk), init, ys, cols_meta)
+            dxq = self.scale * dxq
+            if add:  # the rows of the block before already hold their share
+                dxq = jnp.where(own, dxq, 0) + held(read(dx, qs, bq)).astype(acc)
+            return write(dx, dxq.astype(dx.dtype), qs), *scalars
+
+        zero = _tiles.zeros(self.ys[0, 0], acc, self.x, self.ys)
+        nq = blocks(self.n, bq)
+        return loop(query_block, nq, (dx, zero, zero), self.ys, self.cols_meta, *self.rows)
+
+    def key_grad(self, j, yk, cols_meta, rows):
+        """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before)."""
+        acc, ks = self.scale.dtype, first(j, self.bk, self.m)
+        cm = read_tree(cols_meta, ks, self.bk)
+
+        def step(i, dyk, *rows):
+            row, own, qs = self.read_rows(rows, i)
+            _, dz = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
+            dz = jnp.where(own, dz, 0)
+            return dyk + jnp.matmul(dz.T, row[0], preferred_element_type=acc)
+
+        init = _tiles.zeros(yk, acc, self.x, self.ys)
+        return self.scale * loop(step, blocks(self.n, self.bq), init, *rows)
+
+    def key_sweep(self, dy, zero, add):
+        """``dy`` with each key block's gradient written over ``ys``'s rows (or added).
+
+        Written over: each block of ``ys`` is read from ``dy`` just before it is
+        overwritten, and ``ys`` itself is not read (so its buffer can become ``dy``'s).
+        """
+        bk, m, acc = self.bk, self.m, self.scale.dtype
+        ys = self.ys if add else None
+
+        def key_block(j, dy, zero, ys, cols_meta, *rows):
+            j = j + zero  # ``zero`` is 0 and orders this sweep after the first
+            yk = read(dy if ys is None else ys, j * bk, bk)
+            dyk = self.key_grad(j, yk, cols_meta, rows)
+            if add:
+                dyk = dyk + held(read(dy, j * bk, bk)).astype(acc)
+            return write(dy, dyk.astype(dy.dtype), j * bk)
+
+        dy = loop(key_block, m // bk, dy, zero, ys, self.cols_meta, *self.rows)
+        if m % bk:  # the last block overlaps the one before: only its own rows are written
+            own = m % bk
+            yk = read(dy if ys is None else ys, m - bk, bk)
+            last = self.key_grad(blocks(m, bk) - 1, yk, self.cols_meta, self.rows)[bk - own :]
+            if add:
+                last = last + held(read(dy, m - own, own)).astype(acc)
+            last = last.astype(dy.dtype)
+            dy = _narrow.update_in_place(lambda dy: write(dy, last, m - own), dy)
+        return dy
+
+    def add_into(self, dx_buf, dy_buf):
+        """Adds both sweeps' gradients into the buffers: ``(dx_buf, dy_buf, dscale, dbias)``."""
+        dx_buf, dscale, dbias = self.query_sweep(dx_buf, add=True)
+        zero = jnp.zeros((), jnp.int32)
+        if dy_buf is None:  # the keys are rows of the array under dx_buf
+            if isinstance(dx_buf, Firsts):
+                under = self.key_sweep(dx_buf.array, zero, add=True)
+                return Firsts(under, dx_buf.k), None, dscale, dbias
+            return self.key_sweep(dx_buf, zero, add=True), None, dscale, dbias
+        return dx_buf, self.key_sweep(dy_buf, zero, add=True), dscale, dbias
 
 
 def _zero_after(dep: Scalar) -> jax.Array:
@@ -324,7 +325,7 @@ def call(
     ``x`` and ``ys`` keep their dtypes: only tiles are computed in the wider dtype.
     """
     acc = accumulation_dtype(x, ys, scale, bias)
-    scale, bias = varying_like((jnp.asarray(scale, acc), jnp.asarray(bias, acc)), x, ys)
+    scale, bias = _tiles.varying_like((jnp.asarray(scale, acc), jnp.asarray(bias, acc)), x, ys)
     return _rowwise(kind, block_size, x, ys, targets, scale, bias)
 
 

@@ -8,7 +8,6 @@ per-row losses into the global loss.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -127,34 +126,46 @@ def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:
 
 
 @_layout.types_mesh
-def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides):
+def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, extras=None):
     """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
 
     ``x`` and ``y`` are arrays, or pytrees of arrays with the same rows (e.g. token
     vectors and their mask: ``maxsim_loss``), split alike.
 
     ``sides``: the inputs each device would gather in the gather form (their size
-    decides ``method="auto"``). Under ``jit`` over a mesh (explicit axes read from the
-    types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the core's
-    ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
+    decides ``method="auto"``). ``extras``: a dict of more arrays split like the rows
+    (ids, a guide's representations; None entries allowed), passed on as
+    ``local(..., extras=)`` when given. Under ``jit`` over a mesh (explicit axes read
+    from the types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the
+    core's ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh
+    axes.
     """
-    _distributed.check_split_alike({"x": x, "y": y}, _distributed.typed_axes(axis_name))
+    named = {"x": x, "y": y, **{k: v for k, v in (extras or {}).items() if v is not None}}
+    _distributed.check_split_alike(named, _distributed.typed_axes(axis_name))
     layout = _layout.rows_layout(jax.tree.leaves(x)[0], axis_name)
     here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
     gathered = layout.shards * here  # what every device would hold in the gather form
     ring = use_ring(method, layout, gathered)
+    kw = {} if extras is None else {"extras": extras}
     if layout.kind in ("single", "manual"):
-        return local(x, y, *scalars, axis_name=layout.axes, ring=ring and layout.shards > 1)
+        return local(x, y, *scalars, axis_name=layout.axes, ring=ring and layout.shards > 1, **kw)
     if not ring:  # gathered whole by the compiler, from the sharding in the types
-        return local(x, y, *scalars, axis_name=None, ring=False)
+        return local(x, y, *scalars, axis_name=None, ring=False, **kw)
     rows = P(layout.axes, None)
     out = P(layout.axes) if reduction == "none" else P()
+    extra_specs = jax.tree.map(lambda _: P(layout.axes), extras)
+
+    def per_device(x, y, extras, *scalars):
+        kw = {} if extras is None else {"extras": extras}
+        return local(x, y, *scalars, axis_name=layout.axes, ring=True, **kw)
+
     f = jax.shard_map(
-        functools.partial(local, axis_name=layout.axes, ring=True),
+        per_device,
         mesh=layout.mesh,
-        in_specs=(rows, rows, *[P()] * len(scalars)),
+        in_specs=(rows, rows, extra_specs, *[P()] * len(scalars)),
         out_specs=out,
     )
     scalars = [jnp.asarray(v, jnp.result_type(v, jnp.float32)) for v in scalars]
     place = lambda side: jax.tree.map(lambda v: layout.place(v, rows), side)
-    return f(place(x), place(y), *scalars)
+    extras = jax.tree.map(lambda v: layout.place(v, P(layout.axes)), extras)
+    return f(place(x), place(y), extras, *scalars)

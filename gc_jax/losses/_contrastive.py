@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _strategies
+from gc_jax.losses import (
+    _blockwise,
+    _common,
+    _docs,
+    _families,
+    _options,
+    _ring_families,
+    _strategies,
+)
 
 
 @_docs.shared_docs
@@ -14,27 +25,77 @@ def contrastive_loss(
     y: jax.Array,
     *,
     temperature: float | jax.Array = 1.0,
+    directions: tuple[str, ...] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    query_ids: jax.Array | None = None,
+    doc_ids: jax.Array | None = None,
+    guide: tuple[jax.Array, jax.Array] | None = None,
+    margin_strategy: str = "absolute",
+    margin: float | jax.Array = 0.0,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
     method: str = "auto",
 ) -> jax.Array:
-    """InfoNCE of each query row of ``x`` against every row of ``y``.
+    """InfoNCE of queries ``x`` against documents ``y``, with GTE's and GISTEmbed's options.
 
     ``y`` holds ``k = len(y) // len(x)`` rows per query: its positive first, then its
-    hard negatives, so query ``i``'s positive is row ``i * k``, and every other row of
-    the global ``y`` is a negative. With ``s(a, b) = a . b / temperature``, query
-    ``i``'s loss is::
+    hard negatives, so query ``i``'s positive is ``p_i = y[i * k]``. With
+    ``s(a, b) = a . b / temperature``, query ``i``'s loss is::
 
-      loss_i = -log( exp(s(x_i, y_ik)) / sum_j exp(s(x_i, y_j)) )
-             = logsumexp_j s(x_i, y_j) - s(x_i, y_ik)
+      loss_i = log Z_i - s(x_i, p_i)
+      Z_i =   sum_j         exp(s(x_i, y_j))   "query_to_doc"   (always)
+            + sum_{e != i}  exp(s(x_i, x_e))   "query_to_query"
+            + sum_e         exp(s(p_i, x_e))   "doc_to_query"
+            + sum_{j not i} exp(s(p_i, y_j))   "doc_to_doc"
 
-    the sum running over every row ``j`` of ``y``, across devices.
+    every sum over the global batch (across devices), only the ``directions``
+    chosen (default: ``query_to_doc`` alone, plain InfoNCE: every other row of
+    ``y`` is a negative); ``j not i``: the documents of queries other than ``i``.
+    ``partition_mode="per_direction"`` averages one InfoNCE per direction instead,
+    ``loss_i = mean_D log Z_i^D - s(x_i, p_i)`` (for the directions that hold the
+    positive pair: ``query_to_doc`` and ``doc_to_query``, symmetric InfoNCE). These
+    are sentence-transformers 6.2's ``MultipleNegativesRankingLoss(directions=,
+    partition_mode=)`` with ``scale = 1 / temperature``; GTE (Li et al., 2023) uses
+    the four directions, joint.
+
+    *False negatives* are removed from every sum (the positive pair itself, in
+    ``query_to_doc`` and ``doc_to_query``, never is):
+
+    * ``doc_ids``: every document with the id of ``p_i`` (a duplicate of the
+      positive in the batch, or a hard negative that is the positive again), and
+      every query whose positive has that id.
+    * ``query_ids``: every query with the id of ``x_i`` (a duplicate query), and
+      that query's positive.
+    * ``guide``: every pair the guide model scores above its score of the positive
+      pair, ``t_i = g(x_i, p_i)``, less a margin: ``g > t_i - margin``
+      (``margin_strategy="absolute"``) or ``g > t_i - |t_i| * margin``
+      (``"relative"``), as sentence-transformers 6.2's ``GISTEmbedLoss``. ``g`` is
+      the dot product of the guide's representations: normalise them for its
+      cosine. ``directions=("query_to_doc", "query_to_query", "doc_to_doc")`` is its
+      default (contrasting anchors and positives); with hard negatives, its
+      positive-positive term leaves them out where ``doc_to_doc`` contrasts them.
 
     Args:
       x: queries, ``[n, d]``.
       y: documents, ``[n * k, d]``.
       temperature: logits are ``x @ y.T / temperature``; may be a traced parameter.
+      directions: the terms of the partition function (see above), a tuple of
+        ``"query_to_doc"`` (required), ``"query_to_query"``, ``"doc_to_query"``
+        and ``"doc_to_doc"``.
+      partition_mode: ``"joint"`` (one partition function over every direction)
+        or ``"per_direction"`` (one per direction, averaged).
+      query_ids: an id per query, ``[n]`` or ``[n, w]`` integers (rows of ``w``
+        words compare whole), e.g. :func:`text_ids` of its tokens; or None.
+        Across devices, split like ``x``.
+      doc_ids: an id per document, ``[n * k]`` or ``[n * k, w]``; or None. Across
+        devices, split like ``y``.
+      guide: ``(guide_x, guide_y)``, a frozen guide model's representations of the
+        rows of ``x`` and ``y`` (``[n, g]``, ``[n * k, g]``, split like them across
+        devices; no gradient reaches them), or None.
+      margin_strategy: ``"absolute"`` or ``"relative"`` (with ``guide``).
+      margin: the guide's margin (with ``guide``; ``0``: drop what it scores above
+        the positive).
       {shared args}
 
     Returns:
@@ -84,16 +145,108 @@ def contrastive_loss(
       >>> got = f(jax.device_put(x, rows), jax.device_put(y, rows), 0.5)
       >>> jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), got, want))
       True
+
+      GTE's improved contrastive loss, duplicates masked by the ids of their tokens
+      (documents 0 and 2 are one text): a smaller partition function, a smaller loss.
+
+      >>> from gc_jax.losses import text_ids
+      >>> tokens = jnp.array([[5, 6, 0], [7, 8, 9], [5, 6, 0], [1, 2, 0]])
+      >>> ids = text_ids(tokens, attention_mask=tokens != 0)
+      >>> q, d = jnp.sin(jnp.arange(32.0)).reshape(2, 4, 4)
+      >>> gte = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+      >>> plain = contrastive_loss(q, d, temperature=0.1, directions=gte)
+      >>> masked = contrastive_loss(q, d, temperature=0.1, directions=gte, doc_ids=ids)
+      >>> bool(masked < plain)
+      True
+      >>> tiled = contrastive_loss(q, d, temperature=0.1, directions=gte, doc_ids=ids, block_size=3)
+      >>> bool(jnp.allclose(masked, tiled))
+      True
+
+      GISTEmbed: a frozen guide drops the negatives it scores above the positive.
+      Its representations come from a forward-only chunked pass (no gradient, no
+      activations kept for a backward), in one jitted step with the student's
+      gradient-cached one; the ids and the guide's rows reach the loss as keyword
+      arguments of the step.
+
+      >>> import optax, gc_jax
+      >>> student = lambda w, x, key: jnp.tanh(x @ w)
+      >>> def guide(w, x, key):
+      ...     g = x @ w
+      ...     return g / jnp.linalg.norm(g, axis=-1, keepdims=True)  # cosine scores
+      >>> encode_guide = gc_jax.chunked_encoder(guide, chunk_size=4)
+      >>> gist = ("query_to_doc", "query_to_query", "doc_to_doc")
+      >>> def loss(w, q, d, guide_reps):
+      ...     return contrastive_loss(q, d, temperature=0.05, directions=gist,
+      ...                             guide=guide_reps, margin=0.05)
+      >>> step = gc_jax.make_train_step(loss, student, chunk_size=4, optimizer=optax.sgd(0.1))
+      >>> @jax.jit
+      ... def train(state, guide_w, q, d):
+      ...     guide_w = jax.lax.stop_gradient(guide_w)  # frozen
+      ...     reps = (encode_guide(guide_w, q), encode_guide(guide_w, d))
+      ...     return step(state, q, d, guide_reps=reps)
+      >>> w, guide_w = jnp.eye(4) + 0.1, jnp.eye(4)[::-1] + 0.2
+      >>> q, d = jnp.sin(jnp.arange(64.0)).reshape(2, 8, 4)
+      >>> (w, opt_state), metrics = train((w, optax.sgd(0.1).init(w)), guide_w, q, d)
+      >>> bool(metrics["is_finite"])
+      True
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     k = _common.check_pair(x, y, multiple=True)
+    options = _options.Options(
+        _options.check_directions(directions, partition_mode),
+        partition_mode,
+        _options.check_ids(query_ids, len(x), "query_ids", "x"),
+        _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
+        _options.check_guide(guide, x, y),
+        margin_strategy,
+        _options.check_margin(margin, margin_strategy, guide),
+    )
+    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
+    if options.plain:
 
-    def local(x, y, temperature, *, axis_name, ring):
-        scale = 1.0 / temperature
-        kind = _strategies.Softmax
-        per_row = _common.rows(kind, x, y, k, scale, 0.0, block_size, axis_name, ring)
+        def local(x, y, temperature, *, axis_name, ring):
+            kind, scale = _strategies.Softmax, 1.0 / temperature
+            per_row = _common.rows(kind, x, y, k, scale, 0.0, block_size, axis_name, ring)
+            rows = len(x) * _common.num_devices(axis_name)
+            return _common.reduce(per_row, rows, reduction, axis_name)
+
+        return _common.run(local, x, y, (temperature,), sides=(y,), **kw)
+
+    spec = _options.spec(options, k)
+
+    def local_options(x, y, temperature, margin, *, extras, axis_name, ring):
+        opts = options._replace(margin=margin, **extras)
+        per_row = _rows(spec, opts, x, y, 1.0 / temperature, block_size, axis_name, ring)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
-    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    return _common.run(local, x, y, (temperature,), sides=(y,), **kw)
+    extras = {"query_ids": options.query_ids, "doc_ids": options.doc_ids, "guide": options.guide}
+    sides = (y, x) if any(f.cols == "x" for f in spec.families) else (y,)
+    sides += () if options.guide is None else options.guide
+    scalars = (temperature, options.margin)
+    return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
+
+
+def _rows(spec, options, x, y, scale, block_size, axis_name, ring) -> jax.Array:
+    """Per-query losses with ``options``, in the dense, blockwise or ring form."""
+    n = len(x)
+    if ring:
+        block = block_size or max(n, len(y))  # dense: one tile per travelling block
+        return _ring_families.rows(spec, options, x, y, scale, block, axis_name)
+    acc = _blockwise.accumulation_dtype(x, y, scale)
+    if axis_name is None:  # one device, or jit over a mesh: every array whole
+        whole = lambda v: _layout.reshard_typed(v, P())
+        x, y, options = whole(x), whole(y), options.map_arrays(whole)
+        offset, cols, gathered = 0, options, {"cx": None, "cy": None}
+    else:
+        gather = lambda v: _distributed.all_gather(v, axis_name)
+        offset = _distributed.axis_index_offset(n, axis_name)
+        cols = options.map_arrays(gather)
+        x_cols = any(f.cols == "x" for f in spec.families)
+        gathered = {"cx": gather(x) if x_cols else None, "cy": gather(y)}
+    meta = _options.metadata(options, spec, offset, 0, cols)
+    meta["targets"] = _options.targets(spec, offset, n)
+    sides = {"x": x, "y": y, **gathered}
+    if block_size is not None:
+        return _families.blockwise(spec, block_size, sides, scale, meta)
+    return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)

@@ -23,7 +23,7 @@ from gc_jax.losses import _maxsim_tiles, _ring
 from gc_jax.losses._maxsim_tiles import Side
 from gc_jax.losses._strategies import Softmax
 
-_shift = _ring._shift  # ppermute to the next device: a pytree (tokens, mask) travels whole
+_shift = _ring.shift  # ppermute to the next device: a pytree (tokens, mask) travels whole
 
 
 def _forward(block, axis_name, x: Side, y: Side, targets, scale):

@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise
+from gc_jax.losses import _blockwise, _tiles
 from gc_jax.losses._strategies import Strategy
 
 Scalar = jax.Array
 
 
-def _shift(v: jax.Array, axis_name: AxisName) -> jax.Array:
+def shift(v: jax.Array, axis_name: AxisName) -> jax.Array:
     """``v`` of device ``p - 1``, on every device ``p`` (a ring of ``axis_name``)."""
     size = jax.lax.axis_size(axis_name)
     return jax.lax.ppermute(v, axis_name, [(p, (p + 1) % size) for p in range(size)])
@@ -80,10 +80,10 @@ def _forward(kind, block, axis_name, x, ys, targets, scale, bias):
 
     def step(_, state):  # steps 1 .. size - 2: send the block on, then compute on it
         here, carry = state
-        arriving = _shift(here, axis_name)
+        arriving = shift(here, axis_name)
         return arriving, sweep(here, elsewhere, carry)
 
-    arriving = _shift(ys, axis_name)
+    arriving = shift(ys, axis_name)
     carry = sweep(ys, targets, carry)  # step 0: this device's own block, with the targets
     here, carry = jax.lax.fori_loop(1, size - 1, step, (arriving, carry))
     return kind.finish(sweep(here, elsewhere, carry))  # the last block is not sent on
@@ -106,19 +106,19 @@ def _backward(kind, block, axis_name, x, ys, targets, scale, bias, stat, g):
     def step(_, state, send=True):
         """Sends this block on and the previous block's accumulator, then computes."""
         here, behind, grads = state
-        arriving = _shift(here, axis_name) if send else here
-        behind = _shift(behind, axis_name)  # now this block's accumulator
+        arriving = shift(here, axis_name) if send else here
+        behind = shift(behind, axis_name)  # now this block's accumulator
         dx, dys, dscale, dbias = visit(here, _elsewhere(targets))
         return arriving, behind + dys, add(grads, (dx, dscale, dbias))
 
-    arriving = _shift(ys, axis_name) if size > 1 else ys
+    arriving = shift(ys, axis_name) if size > 1 else ys
     dx, dys, dscale, dbias = visit(ys, targets)  # step 0: this device's own block
     state = (arriving, dys, (dx, dscale, dbias))
     if size > 1:
         state = jax.lax.fori_loop(1, size - 1, step, state)
         state = step(size - 1, state, send=False)
     _, dys, (dx, dscale, dbias) = state
-    dys = _shift(dys, axis_name) if size > 1 else dys  # home: the block's owner
+    dys = shift(dys, axis_name) if size > 1 else dys  # home: the block's owner
     dx, dscale, dbias = (after(v, dys) for v in (dx, dscale, dbias))
     return dx.astype(x.dtype), dys.astype(ys.dtype), dscale, dbias
 
@@ -171,5 +171,5 @@ def rows(
     """
     acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
-    scale, bias, targets = _blockwise.varying_like((*scalars, targets), x, ys)
+    scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
     return _rowwise(kind, block_size, axis_name, x, ys, targets, scale, bias)

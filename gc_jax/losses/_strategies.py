@@ -63,7 +63,9 @@ class Softmax:
         mx, se, target = carry
         z_valid = jnp.where(valid, z, -jnp.inf)
         new_mx = jnp.maximum(mx, z_valid.max(axis=1))
-        se = se * jnp.exp(mx - new_mx) + jnp.exp(z_valid - new_mx[:, None]).sum(axis=1)
+        # A row with no valid column yet (masked pairs) keeps max -inf: shift by 0 then.
+        shift = jnp.where(new_mx == -jnp.inf, 0, new_mx)
+        se = se * jnp.exp(mx - shift) + jnp.exp(z_valid - shift[:, None]).sum(axis=1)
         return new_mx, se, target + jnp.where(pos, z, 0).sum(axis=1)
 
     @staticmethod

@@ -1,0 +1,189 @@
+"""Softmax losses over several families of logits, each query's row summed over all.
+
+A *family* scores one side's rows against one side's columns: queries (``"x"``) or
+each query's positive document (``"p"``, rows ``0, k, 2k, ...`` of ``y``, read in
+place) against queries (``"x"``) or documents (``"y"``), with a :class:`_masks.Rule`
+saying which pairs it keeps. Row ``i`` of every family belongs to query ``i``.
+Families of one *group* share one log-sum-exp; each group has its own target, and a
+query's loss is the mean over groups of ``lse_g - target_g``.
+
+Three forms, the same values: :func:`dense` (whole logit matrices),
+:func:`blockwise` (tiles, a custom VJP; ``_ring`` runs the same families across
+devices). The blockwise backward adds each family's gradients into one buffer per
+side (``_blockwise.backward(into=...)``): the first family writes its buffers over
+copies of its inputs, the others add to them, so no batch-sized gradient is summed
+outside the loops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gc_jax.losses import _blockwise, _tiles
+from gc_jax.losses._masks import Rule
+from gc_jax.losses._strategies import Softmax
+from gc_jax.losses._tiles import Firsts
+
+Scalar = jax.Array
+
+
+class Family(NamedTuple):
+    """One family of logits (static).
+
+    Attributes:
+      rows: ``"x"`` (queries) or ``"p"`` (each query's positive document).
+      cols: ``"x"`` (queries) or ``"y"`` (documents).
+      rule: the pairs kept.
+      group: the log-sum-exp it adds to.
+      target: the name of the targets array in the metadata (the column of each
+        row's positive), or None: no target in this family.
+    """
+
+    rows: str
+    cols: str
+    rule: Rule
+    group: int = 0
+    target: str | None = None
+
+
+class Spec(NamedTuple):
+    """The families of a loss (static): ``families[0]`` has rows ``"x"`` and a target."""
+
+    families: tuple[Family, ...]
+    groups: int
+    k: int
+
+
+def _rows_of(fam: Family, sides: dict, k: int) -> Any:
+    return sides["x"] if fam.rows == "x" else Firsts(sides["y"], k)
+
+
+def _cols_key(fam: Family, sides: dict) -> str:
+    """The key of ``sides`` holding the family's columns: gathered ones if any."""
+    gathered = "c" + fam.cols
+    return gathered if sides.get(gathered) is not None else fam.cols
+
+
+def _mask(fam: Family, meta: dict) -> tuple | None:
+    rows, cols = meta["rows"][fam.rows], meta["cols"][fam.cols]
+    return (fam.rule, rows, cols)
+
+
+def _targets(fam: Family, meta: dict) -> jax.Array | None:
+    return None if fam.target is None else meta["targets"][fam.target]
+
+
+def dense(spec: Spec, sides: dict, scale: Scalar, meta: dict) -> jax.Array:
+    """Per-query losses from whole logit matrices (the families' pairs masked out)."""
+    groups = [[] for _ in range(spec.groups)]
+    target = [0.0] * spec.groups
+    for fam in spec.families:
+        rows = _tiles.dense(_rows_of(fam, sides, spec.k))
+        cols = sides[_cols_key(fam, sides)]
+        z = scale * jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
+        rm, cm = _tiles.dense(meta["rows"][fam.rows]), _tiles.dense(meta["cols"][fam.cols])
+        keep = fam.rule.keep(rm, cm, jnp.arange(z.shape[0]), jnp.arange(z.shape[1]))
+        groups[fam.group].append(z if keep is None else jnp.where(keep, z, -jnp.inf))
+        targets = _targets(fam, meta)
+        if targets is not None:
+            pos = jnp.arange(z.shape[1]) == targets[:, None]
+            target[fam.group] = target[fam.group] + jnp.sum(jnp.where(pos, z, 0), axis=1)
+    lse = [jax.nn.logsumexp(jnp.concatenate(g, axis=1), axis=1) for g in groups]
+    return sum(a - b for a, b in zip(lse, target, strict=True)) / spec.groups
+
+
+def forward(spec, block, sides, scale, meta) -> tuple[jax.Array, tuple]:
+    """Per-query losses and each group's log-sum-exp, tile by tile."""
+    x = sides["x"]
+    zero = jnp.zeros((), scale.dtype)
+    carries = [_blockwise.init(Softmax, x, sides["y"], dtype=scale.dtype)] * spec.groups
+    for fam in spec.families:
+        rows, cols = _rows_of(fam, sides, spec.k), sides[_cols_key(fam, sides)]
+        carries[fam.group] = _blockwise.sweep(
+            Softmax, block, rows, cols, _targets(fam, meta), scale, zero,
+            carries[fam.group], _mask(fam, meta),
+        )  # fmt: skip
+    losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
+    return sum(losses) / spec.groups, stats
+
+
+def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar]:
+    """Cotangents of ``sides`` and ``scale``, every family's added into one buffer per side."""
+    zero = jnp.zeros((), scale.dtype)
+    g = g / spec.groups
+    grads: dict[str, Any] = dict.fromkeys(sides)
+    dscale = zero
+    for fam in spec.families:
+        rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
+        args = (Softmax, block, rows, sides[cols_key], _targets(fam, meta), scale, zero)
+        args = (*args, stats[fam.group], g, _mask(fam, meta))
+        if len(spec.families) == 1:  # written over copies of x and y: no zeros needed
+            dx, dcols, ds, _ = _blockwise.backward(*args)
+            grads["x"], grads[cols_key] = dx, dcols
+        else:
+            grads, ds = _add_family(fam, args, grads, sides, cols_key, spec.k)
+        dscale = dscale + ds
+    return grads, dscale
+
+
+def _add_family(fam, args, grads, sides, cols_key, k):
+    """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new)."""
+    for key in ("y" if fam.rows == "p" else "x", cols_key):
+        if grads[key] is None:
+            grads[key] = _zeros_of(sides[key], *sides.values())
+    row_key = "x" if fam.rows == "x" else "y"
+    row_buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
+    same = row_key == cols_key  # rows and columns are rows of one array
+    row_buf, col_buf, dscale, _ = _blockwise.backward(
+        *args, into=(row_buf, None if same else grads[cols_key])
+    )
+    grads[row_key] = row_buf.array if isinstance(row_buf, Firsts) else row_buf
+    if not same:
+        grads[cols_key] = col_buf
+    return grads, dscale
+
+
+def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
+    """Zeros like ``v``, broadcast from a zero computed from ``v`` itself.
+
+    A constant zero would be one broadcast, shared by every side's buffer of that
+    shape and copied into each (a batch-sized temporary); this one is ``v``'s own.
+    """
+    zero = jnp.where(v[0, 0] > jnp.inf, 1, 0).astype(v.dtype)  # never true, NaN included
+    return _tiles.varying_like(jnp.full_like(v, zero), *others)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rowwise(spec, block, sides, scale, meta):
+    return forward(spec, block, sides, scale, meta)[0]
+
+
+def _rowwise_fwd(spec, block, sides, scale, meta):
+    loss, stats = forward(spec, block, sides, scale, meta)
+    return loss, (sides, scale, meta, stats)
+
+
+def _rowwise_bwd(spec, block, res, g):
+    sides, scale, meta, stats = res
+    grads, dscale = backward(spec, block, sides, scale, meta, stats, g)
+    return grads, dscale, None
+
+
+_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def blockwise(spec: Spec, block: int, sides: dict, scale: Any, meta: dict) -> jax.Array:
+    """Per-query losses, tile by tile (a custom VJP).
+
+    ``sides``: ``x`` (this device's queries), ``y`` (their documents) and, in the
+    gather form, ``cx``/``cy``: the columns gathered from every device (else None:
+    the columns are ``x`` and ``y`` themselves).
+    """
+    acc = _blockwise.accumulation_dtype(*(v for v in sides.values() if v is not None), scale)
+    arrays = [v for v in sides.values() if v is not None]
+    scale = _tiles.varying_like(jnp.asarray(scale, acc), *arrays)
+    return _rowwise(spec, block, sides, scale, meta)

@@ -1,0 +1,89 @@
+"""Which (row, column) pairs a loss keeps: a static :class:`Rule` and per-row metadata.
+
+A rule is applied to a tile (or, in the dense form, to the whole logit matrix) from
+the metadata of its rows and columns: dicts of per-row arrays read block by block
+with the rows (on the ring they travel with their block), plus scalars.
+
+Rows (always one per query ``i``; its row is the query itself or its positive
+document): ``offset`` (the global index of this device's first query), and with the
+options ``pid`` (the id of the query's positive document), ``qid`` (the query's id),
+``g`` (the guide's representation of the row), ``t`` (the guide's score of the
+query's positive pair) and ``margin``.
+
+Columns (queries or documents): ``offset`` (the global index of the first column
+here), ``pid`` (a document's id; for a query column, its positive's), ``qid`` (a
+query's id; for a document column, its query's, counted only on positives) and ``g``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def _equal(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``[rows, cols]``: whether row ``i`` of ``a`` equals row ``j`` of ``b`` (ids ``[., w]``)."""
+    eq = [a[:, None, w] == b[None, :, w] for w in range(a.shape[1])]  # no reduce: fused
+    return functools.reduce(jnp.logical_and, eq)
+
+
+def _or(a: jax.Array | None, b: jax.Array) -> jax.Array:
+    return b if a is None else a | b
+
+
+class Rule(NamedTuple):
+    """The pairs of one family of logits a loss keeps (static, hashable).
+
+    Attributes:
+      exclude: pairs that are not in the family: ``"self"`` (column ``i`` of row
+        ``i``: a query against itself) or ``"owner"`` (row ``i``'s own ``k``
+        documents), or None.
+      protect: the pair that is never dropped by ids or the guide (the positive
+        pair): ``"self"`` (column ``i``) or ``"first"`` (column ``i * k``), or None.
+      docs: the columns are documents (``k`` per query; a query id counts only on
+        the first, the positive).
+      k: documents per query.
+      guide: ``"absolute"`` or ``"relative"`` margins on the guide's scores, or None.
+    """
+
+    exclude: str | None = None
+    protect: str | None = None
+    docs: bool = False
+    k: int = 1
+    guide: str | None = None
+
+    def keep(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
+        """``[rows, cols]``: the pairs kept, from the rows' and columns' metadata.
+
+        ``rows``, ``cols``: positions of the tile's rows and columns in the arrays
+        the metadata's ``offset`` refers to. None: every pair is kept.
+        """
+        gi, gj = (rm["offset"] + rows)[:, None], (cm["offset"] + cols)[None, :]
+        drop = self._dropped(rm, cm, gj)
+        if drop is not None and self.protect is not None:
+            drop = drop & (gj != (gi * self.k if self.protect == "first" else gi))
+        keep = None if drop is None else ~drop
+        if self.exclude is not None:
+            other = gj != gi if self.exclude == "self" else gj // self.k != gi
+            keep = other if keep is None else keep & other
+        return None if keep is None else jax.lax.optimization_barrier(keep)
+
+    def _dropped(self, rm: dict, cm: dict, gj: jax.Array) -> jax.Array | None:
+        """The false negatives: pairs the ids or the guide drop (or None)."""
+        drop = None
+        if "pid" in rm:
+            drop = _equal(rm["pid"], cm["pid"])
+        if "qid" in rm:
+            same = _equal(rm["qid"], cm["qid"])
+            drop = _or(drop, same & (gj % self.k == 0) if self.docs else same)
+        if self.guide is not None:
+            scores = jnp.matmul(rm["g"], cm["g"].T, preferred_element_type=jnp.float32)
+            t, margin = rm["t"], rm["margin"]
+            bar = t - margin if self.guide == "absolute" else t - jnp.abs(t) * margin
+            # One boolean tile, materialised: else each consumer recomputes it from the
+            # scores, which then stay live beside the logits (a fourth float tile).
+            drop = jax.lax.optimization_barrier(_or(drop, scores > bar[:, None]))
+        return drop

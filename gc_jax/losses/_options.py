@@ -1,0 +1,218 @@
+"""The options of :func:`contrastive_loss` beyond plain InfoNCE: checked, then as families.
+
+``directions`` and ``partition_mode`` (as sentence-transformers' 6.2
+``MultipleNegativesRankingLoss`` names them), false-negative ids (``query_ids``,
+``doc_ids``) and a guide's filtering (``guide``, ``margin_strategy``, ``margin``, as
+its ``GISTEmbedLoss``). :func:`spec` turns them into families of logits
+(``_families``); :func:`metadata` gives the tiles the per-row arrays their rules read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gc_jax.losses._families import Family, Spec
+from gc_jax.losses._masks import Rule
+from gc_jax.losses._tiles import Firsts, Repeated
+
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+MARGIN_STRATEGIES = ("absolute", "relative")
+
+
+class Options(NamedTuple):
+    """The checked options (directions static; ids and guide arrays or None)."""
+
+    directions: tuple[str, ...] = ("query_to_doc",)
+    partition_mode: str = "joint"
+    query_ids: jax.Array | None = None
+    doc_ids: jax.Array | None = None
+    guide: tuple[jax.Array, jax.Array] | None = None
+    margin_strategy: str = "absolute"
+    margin: Any = 0.0
+
+    def map_arrays(self, f) -> Options:
+        """These options with ``f`` applied to every per-row array (ids, the guide's)."""
+        apply = lambda v: None if v is None else jax.tree.map(f, v)
+        return self._replace(
+            query_ids=apply(self.query_ids), doc_ids=apply(self.doc_ids), guide=apply(self.guide)
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is plain InfoNCE (the original forms, unchanged)."""
+        none = self.query_ids is None and self.doc_ids is None and self.guide is None
+        return none and self.directions == ("query_to_doc",)
+
+
+def check_directions(directions: Any, partition_mode: Any) -> tuple[str, ...]:
+    """The directions, in the canonical order; raises on unknown or unsupported ones."""
+    if isinstance(directions, str) or not isinstance(directions, tuple | list):
+        raise TypeError(
+            f"directions must be a tuple of direction names, got {directions!r}: e.g. "
+            "directions=('query_to_doc', 'query_to_query', 'doc_to_query', 'doc_to_doc') "
+            "(GTE's improved contrastive loss)."
+        )
+    unknown = [d for d in directions if d not in DIRECTIONS]
+    if unknown or len(set(directions)) != len(directions) or not directions:
+        raise ValueError(
+            f"directions must be distinct names among {DIRECTIONS}, got {tuple(directions)!r}."
+        )
+    if "query_to_doc" not in directions:
+        raise ValueError(
+            f"directions must include 'query_to_doc' (it holds the positive pair), got "
+            f"{tuple(directions)!r}."
+        )
+    if partition_mode not in PARTITION_MODES:
+        raise ValueError(
+            f"partition_mode must be one of {PARTITION_MODES}, got {partition_mode!r}."
+        )
+    same_type = sorted(set(directions) & {"query_to_query", "doc_to_doc"})
+    if partition_mode == "per_direction" and same_type:
+        raise ValueError(
+            f"partition_mode='per_direction' needs the positive pair in every direction's "
+            f"candidates, and {same_type} have none (as in sentence-transformers): use "
+            "partition_mode='joint' with them."
+        )
+    return tuple(d for d in DIRECTIONS if d in directions)
+
+
+def check_ids(ids: Any, rows: int, name: str, side: str) -> jax.Array | None:
+    """``ids`` as ``[rows, w]`` integers (``[rows]`` becomes ``[rows, 1]``), or None."""
+    if ids is None:
+        return None
+    dtype = getattr(ids, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        got = dtype if dtype is not None else type(ids).__name__
+        raise TypeError(
+            f"{name} must be an integer array (an id per row of {side}; e.g. "
+            f"gc_jax.losses.text_ids of its tokens), got {got}."
+        )
+    shape = tuple(ids.shape)
+    if len(shape) not in (1, 2) or shape[0] != rows:
+        raise ValueError(
+            f"{name} must hold one id per row of {side}: shape ({rows},) or ({rows}, w), "
+            f"got {shape} (across devices: this device's rows, split like {side})."
+        )
+    return ids if len(shape) == 2 else ids.reshape(rows, 1)
+
+
+def check_guide(guide: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+    """The guide's ``(queries, documents)`` representations, checked against ``x``, ``y``."""
+    if guide is None:
+        return None
+    if not isinstance(guide, tuple | list) or len(guide) != 2:
+        raise TypeError(
+            "guide must be a pair (guide_x, guide_y): the guide model's representations "
+            f"of the rows of x and of y, got {type(guide).__name__}."
+        )
+    for i, (g, v, side) in enumerate(zip(guide, (x, y), ("x", "y"), strict=True)):
+        shape, dtype = getattr(g, "shape", None), getattr(g, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"guide[{i}] must be a float array, got {dtype or type(g).__name__}.")
+        if len(shape) != 2 or shape[0] != v.shape[0]:
+            raise ValueError(
+                f"guide[{i}] must be the guide's representations of the rows of {side}, "
+                f"[{v.shape[0]}, guide_dim], got shape {tuple(shape)} for {side} of shape "
+                f"{tuple(v.shape)}: encode the same batch with the guide (across devices: "
+                f"this device's rows, split like {side})."
+            )
+    if guide[0].shape[1] != guide[1].shape[1]:
+        raise ValueError(
+            f"guide[0] and guide[1] must have one dim, got {guide[0].shape} and {guide[1].shape}."
+        )
+    return tuple(jax.lax.stop_gradient(g) for g in guide)
+
+
+def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
+    """The guide's margin (a real scalar); raises if it is set without a guide."""
+    if strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {strategy!r}.")
+    if isinstance(margin, bool) or np.ndim(margin) != 0:
+        raise TypeError(f"margin must be a real scalar, got {margin!r}.")
+    if not isinstance(margin, jax.Array) and not np.isreal(margin):
+        raise TypeError(f"margin must be a real scalar, got {margin!r}.")
+    margin_set = not isinstance(margin, jax.Array) and margin != 0
+    if guide is None and (strategy != "absolute" or margin_set):
+        raise ValueError(
+            "margin and margin_strategy filter negatives by a guide's scores: pass "
+            "guide=(guide_x, guide_y) too, or leave them at their defaults."
+        )
+    return jax.lax.stop_gradient(jnp.asarray(margin, jnp.float32))
+
+
+def spec(options: Options, k: int) -> Spec:
+    """The families of logits for ``options``: one per direction, ``query_to_doc`` first."""
+    joint = options.partition_mode == "joint"
+    guide = None if options.guide is None else options.margin_strategy
+    rule = lambda **kw: Rule(k=k, guide=guide, **kw)
+    make = {
+        "query_to_doc": Family("x", "y", rule(protect="first", docs=True), 0, "first"),
+        "query_to_query": Family("x", "x", rule(exclude="self")),
+        "doc_to_query": Family(
+            "p", "x", rule(protect="self"), 0 if joint else 1, None if joint else "self"
+        ),
+        "doc_to_doc": Family("p", "y", rule(exclude="owner", docs=True)),
+    }
+    families = tuple(make[d] for d in options.directions)
+    return Spec(families, 1 if joint else len(families), k)
+
+
+def thresholds(guide: tuple[jax.Array, jax.Array], k: int) -> jax.Array:
+    """``[n]``: the guide's score of each query's positive pair (in float32).
+
+    With ``k > 1`` every document of a query is scored (``[n, k]``, small) and the
+    first kept: a strided slice of the guide's documents would be a batch-sized copy.
+    """
+    gx, gy = guide
+    if k == 1:
+        return jnp.einsum("nd,nd->n", gx, gy, preferred_element_type=jnp.float32)
+    grouped = Firsts(gy, k).grouped()
+    return jnp.einsum("nd,nkd->nk", gx, grouped, preferred_element_type=jnp.float32)[:, 0]
+
+
+def metadata(
+    options: Options,
+    spec: Spec,
+    offset: Any,
+    col_offset: Any,
+    cols: Options | None = None,
+) -> dict:
+    """What the tiles' rules read, for this device's rows and the columns they meet.
+
+    ``offset``: the global index of this device's first query; ``cols``: the options
+    whose ids and guide are the columns' (gathered in the gather form; default:
+    ``options``), their first query's global index ``col_offset``.
+    """
+    cols = options if cols is None else cols
+    k, qid, pid, guide = spec.k, options.query_ids, options.doc_ids, options.guide
+    row = {"offset": offset}
+    if pid is not None:
+        row["pid"] = Firsts(pid, k)
+    if qid is not None:
+        row["qid"] = qid
+    rows = {"x": dict(row), "p": dict(row)}
+    if guide is not None:
+        row |= {"t": thresholds(guide, k), "margin": options.margin}
+        rows = {"x": {**row, "g": guide[0]}, "p": {**row, "g": Firsts(guide[1], k)}}
+    col_x, col_y = {"offset": col_offset}, {"offset": col_offset * k}
+    if cols.doc_ids is not None:
+        col_x["pid"], col_y["pid"] = Firsts(cols.doc_ids, k), cols.doc_ids
+    if cols.query_ids is not None:
+        col_x["qid"] = cols.query_ids
+        col_y["qid"] = Repeated(cols.query_ids, k) if k > 1 else cols.query_ids
+    if cols.guide is not None:
+        col_x["g"], col_y["g"] = cols.guide
+    used = {f.cols for f in spec.families}
+    return {"rows": rows, "cols": {s: c for s, c in (("x", col_x), ("y", col_y)) if s in used}}
+
+
+def targets(spec: Spec, offset: Any, n: int) -> dict:
+    """Each family's target columns, indexing the columns as :func:`metadata` numbers them."""
+    index = offset + jnp.arange(n)
+    every = {"first": index * spec.k, "self": index}
+    return {f.target: every[f.target] for f in spec.families if f.target is not None}

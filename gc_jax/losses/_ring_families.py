@@ -1,0 +1,202 @@
+"""The families of ``_families`` across devices on a ring (``method="ring"``).
+
+As in ``_ring``, every device keeps its rows; the columns travel. Each side whose
+rows are some family's columns (documents ``y``, then queries ``x`` when a family
+scores against queries) makes one pass around the ring, each block with its
+metadata (ids, the guide's rows, its first row's global index), so the masks of
+every tile are the dense form's. At each step every family with those columns
+sweeps this device's rows (queries, or their positive documents) against the block
+it holds, updating the rows' running log-sum-exps (``_blockwise.sweep``).
+
+The backward makes the same passes: the rows' gradients are added into buffers
+that stay here, each block's into an accumulator that travels one step behind it
+and comes home after the full circle (``_blockwise.backward(into=...)``). The two
+passes, and each pass's last ``ppermute`` and the scalars' ``psum``, are ordered by
+data dependencies (``_ring.after``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gc_jax import _distributed
+from gc_jax._base import AxisName
+from gc_jax.losses import _blockwise, _options, _tiles
+from gc_jax.losses._families import Spec
+from gc_jax.losses._ring import shift
+from gc_jax.losses._strategies import Softmax
+from gc_jax.losses._tiles import Firsts
+
+
+def _passes(spec: Spec) -> tuple[str, ...]:
+    return tuple(s for s in ("y", "x") if any(f.cols == s for f in spec.families))
+
+
+def _rows(fam, sides: dict, k: int) -> Any:
+    return sides["x"] if fam.rows == "x" else Firsts(sides["y"], k)
+
+
+def _after(tree: Any, deps: Any) -> Any:
+    """``tree``'s leaves, each computed only once every leaf of ``deps`` is.
+
+    Like ``_ring.after``, but through a comparison: ``deps`` may hold infinities (an
+    empty group's running maximum is ``-inf``), which ``0 * dep`` would make NaN.
+    """
+    total = sum(jnp.sum(d).astype(jnp.float32) for d in jax.tree.leaves(deps))
+    zero = jnp.where(total > jnp.inf, 1, 0)  # never true, NaN included
+    return jax.tree.map(lambda v: v + zero.astype(v.dtype), tree)
+
+
+def _send(tree: Any, axis_name: AxisName) -> Any:
+    """``tree`` of device ``p - 1``, on every device ``p``: one ``ppermute`` per leaf,
+    each after the one before (independent collectives may deadlock XLA:CPU)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sent = []
+    for leaf in leaves:
+        sent.append(shift(_after(leaf, sent[-1]) if sent else leaf, axis_name))
+    return jax.tree.unflatten(treedef, sent)
+
+
+def _around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
+    """``state = visit(block, state, own)`` for every device's block, travelling."""
+    size = jax.lax.axis_size(axis_name)
+    if size == 1:
+        return visit(here, state, True)
+    arriving = _send(here, axis_name)
+    state = visit(here, state, True)
+
+    def step(_, carry):  # send the block on, then compute on it
+        here, state = carry
+        return _send(here, axis_name), visit(here, state, False)
+
+    here, state = jax.lax.fori_loop(1, size - 1, step, (arriving, state))
+    return visit(here, state, False)  # the last block is not sent on
+
+
+def _around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName):
+    """``(acc, state) = visit(block, acc, state, own)`` around the ring; ``acc`` (the
+    block's gradient) travels one step behind its block and is returned home."""
+    size = jax.lax.axis_size(axis_name)
+    arriving = _send(here, axis_name) if size > 1 else here
+    acc, state = visit(here, acc, state, True)
+    if size == 1:
+        return acc, state
+
+    def step(_, carry, send=True):
+        here, behind, state = carry
+        arriving = _send(here, axis_name) if send else here
+        behind = shift(_after(behind, arriving), axis_name)  # the block held here's gradient
+        behind, state = visit(here, behind, state, False)
+        return arriving, behind, state
+
+    carry = jax.lax.fori_loop(1, size - 1, step, (arriving, acc, state))
+    _, acc, state = step(size - 1, carry, send=False)
+    return shift(acc, axis_name), state  # home: the block's owner
+
+
+def _forward(spec, block, axis_name, sides, scale, meta):
+    zero = jnp.zeros((), scale.dtype)
+    carries = (_blockwise.init(Softmax, sides["x"], sides["y"], dtype=scale.dtype),) * spec.groups
+    for n, side in enumerate(_passes(spec)):
+
+        def visit(here, carries, own, side=side):
+            reps, cols_meta = here
+            carries = list(carries)
+            for fam in (f for f in spec.families if f.cols == side):
+                targets = meta["targets"].get(fam.target) if own else None
+                mask = (fam.rule, meta["rows"][fam.rows], cols_meta)
+                carries[fam.group] = _blockwise.sweep(
+                    Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
+                    carries[fam.group], mask,
+                )  # fmt: skip
+            return tuple(carries)
+
+        here = (sides[side], meta["cols"][side])
+        if n:  # the second ring starts once the first is done
+            here = _after(here, carries)
+        carries = _around(visit, here, carries, axis_name)
+    losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
+    return sum(losses) / spec.groups, stats
+
+
+def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
+    acc = scale.dtype
+    zero, g = jnp.zeros((), acc), g / spec.groups
+    x, y = sides["x"], sides["y"]
+    state = (_tiles.zeros(x, acc, x, y), _tiles.zeros(y, acc, x, y), zero)
+    for n, side in enumerate(_passes(spec)):
+
+        def visit(here, col_acc, state, own, side=side):
+            reps, cols_meta = here
+            dx, dy, dscale = state
+            for fam in (f for f in spec.families if f.cols == side):
+                targets = meta["targets"].get(fam.target) if own else None
+                mask = (fam.rule, meta["rows"][fam.rows], cols_meta)
+                buf = dx if fam.rows == "x" else Firsts(dy, spec.k)
+                buf, col_acc, ds, _ = _blockwise.backward(
+                    Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
+                    stats[fam.group], g, mask, into=(buf, col_acc),
+                )  # fmt: skip
+                dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
+                dscale = dscale + ds
+            return col_acc, (dx, dy, dscale)
+
+        here = (sides[side], meta["cols"][side])
+        if n:  # the second ring starts once the first is done
+            here = _after(here, state)
+        home, state = _around_back(visit, here, _tiles.zeros(sides[side], acc, x, y), state,
+                                   axis_name)  # fmt: skip
+        dx, dy, dscale = state
+        state = (dx + home, dy, dscale) if side == "x" else (dx, dy + home, dscale)
+    dx, dy, dscale = state
+    dx, dscale = _after((dx, dscale), dy)  # every ppermute before the scalars' psum
+    dscale = _after(dscale, dx)
+    return {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}, dscale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _rowwise(spec, block, axis_name, sides, scale, meta):
+    return _forward(spec, block, axis_name, sides, scale, meta)[0]
+
+
+def _rowwise_fwd(spec, block, axis_name, sides, scale, meta):
+    loss, stats = _forward(spec, block, axis_name, sides, scale, meta)
+    return loss, (sides, scale, meta, stats)
+
+
+def _rowwise_bwd(spec, block, axis_name, res, g):
+    sides, scale, meta, stats = res
+    grads, dscale = _backward(spec, block, axis_name, sides, scale, meta, stats, g)
+    return grads, dscale, None
+
+
+_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def rows(
+    spec: Spec,
+    options: _options.Options,
+    x: jax.Array,
+    y: jax.Array,
+    scale: Any,
+    block_size: int,
+    axis_name: AxisName,
+) -> jax.Array:
+    """Per-query losses of this device's rows against every device's, on the ring.
+
+    ``options``' ids and guide are this device's rows' (split like ``x`` and ``y``).
+    """
+    n = len(x)
+    offset = _distributed.axis_index_offset(n, axis_name)
+    meta = _options.metadata(options, spec, offset, offset)
+    local = jnp.arange(n)
+    every = {"first": local * spec.k, "self": local}  # into this device's own block
+    meta["targets"] = {f.target: every[f.target] for f in spec.families if f.target}
+    acc = _blockwise.accumulation_dtype(x, y, scale)
+    scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), x, y)
+    return _rowwise(spec, block_size, axis_name, {"x": x, "y": y}, scale, meta)

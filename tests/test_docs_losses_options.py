@@ -1,0 +1,53 @@
+"""docs/losses_options.md: every block runs, and gives what the naive reference gives."""
+
+import re
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from options_reference import contrastive
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "losses_options.md"
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def run(*names: str) -> dict:
+    """The page's setup block, then ``names``' blocks, in one namespace."""
+    blocks = dict(re.findall(r"```python\n# ([^\n]*)\n(.*?)```", PAGE.read_text(), flags=re.S))
+    namespace: dict = {}
+    for name in ("setup", *names):
+        exec(blocks[name], namespace)
+    return namespace
+
+
+def test_directions_block():
+    ns = run("directions")
+    q, d, gte = ns["q"], ns["d"], ns["gte"]
+    chex.assert_trees_all_close(ns["loss"], contrastive(q, d, 0.05, directions=gte), **TOL)
+    symmetric = contrastive(q, d, 0.05, directions=("query_to_doc", "doc_to_query"),
+                            partition_mode="per_direction")  # fmt: skip
+    chex.assert_trees_all_close(ns["symmetric"], symmetric, **TOL)
+    chex.assert_trees_all_close(ns["blockwise"], ns["loss"], rtol=2e-5)
+
+
+def test_ids_block():
+    ns = run("ids")
+    ids = ns["text_ids"](ns["tokens"], ns["mask"])
+    assert bool((ids[6] == ids[0]).all()) and len({tuple(map(int, r)) for r in ids}) == 15
+    want = contrastive(ns["q"], ns["d"], 0.05, doc_ids=np.asarray(ids))
+    chex.assert_trees_all_close(ns["masked"], want, **TOL)
+    assert float(ns["masked"]) < float(ns["plain"])
+
+
+def test_guide_block_trains_with_the_full_batch_gradient():
+    ns = run("guide")
+    q, d, guide_w = ns["q"], ns["d"], ns["guide_w"]
+    w0 = jnp.eye(16) + 0.05
+    reps = (ns["guide"](guide_w, q, None), ns["guide"](guide_w, d, None))
+    enc = lambda w, x: ns["student"](w, x, None)
+    full = lambda w: contrastive(enc(w, q), enc(w, d), 0.05, directions=ns["gist"],
+                                 guide=reps, margin=0.1)  # fmt: skip
+    assert bool(ns["metrics"]["is_finite"])
+    chex.assert_trees_all_close(ns["w"], w0 - 0.1 * jax.grad(full)(w0), rtol=1e-5, atol=1e-6)
