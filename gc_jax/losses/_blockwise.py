@@ -44,14 +44,16 @@ from gc_jax.losses import _strategies, _tiles
 from gc_jax.losses._strategies import Rows, Strategy
 from gc_jax.losses._tiles import (
     Firsts,
+    around,
     blocks,
     first,
-    held,
     loop,
     read,
     read_tree,
+    rows_in,
     sizes,
     tile,
+    update,
     write,
 )
 
@@ -195,46 +197,68 @@ class _Sweeps:
         return qs + jnp.arange(self.bq), ks + jnp.arange(self.bk)
 
     def query_sweep(self, dx, add):
-        """``dx`` with each query block's gradient written (or added), and the scalars'."""
-        acc, bq, bk, m = self.scale.dtype, self.bq, self.bk, self.m
+        """``dx`` with each query block's gradient written (or added), and the scalars'.
+
+        Adding, the block's current rows (for :class:`Firsts`, their slab) are read
+        before its loop over keys and carried through it, so that they are a buffer of
+        their own: a read fused into the block's update would keep XLA:CPU from
+        updating a narrow-float buffer in place (a copy of the whole buffer per block).
+        """
+        acc, bq, bk, m, scale = self.scale.dtype, self.bq, self.bk, self.m, self.scale
 
         def query_block(i, carry, ys, cols_meta, *rows):
             row, own, qs = self.read_rows(rows, i)
 
             def step(j, carry, ys, cols_meta):
-                dxq, dscale, dbias = carry
+                dxq, dscale, dbias, *context = carry
                 ks = first(j, bk, m)
                 yk = read(ys, ks, bk)
                 raw, dz = self.tile_grad(row, qs, yk, ks, j * bk, read_tree(cols_meta, ks, bk))
-                dxq = dxq + jnp.matmul(dz, yk, preferred_element_type=acc)
+                grad = jnp.matmul(dz, yk, preferred_element_type=acc)
+                # Adding: rows of the previous block hold their share already.
+                dxq = dxq + (jnp.where(own, scale * grad, 0) if add else grad)
                 dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
-                return dxq, dscale + (dz * raw).sum(), dbias + dz.sum()
+                # The context made to depend on the loop (else XLA forwards it past the
+                # loop and fuses its read into the update again): it adds zero.
+                context = [
+                    c + jnp.where(dxq[0, 0] > jnp.inf, 1, 0).astype(c.dtype) for c in context
+                ]
+                return dxq, dscale + (dz * raw).sum(), dbias + dz.sum(), *context
 
             dx, *scalars = carry
-            init = (_tiles.zeros(row[0], acc, self.x, ys), *scalars)
+            if add:
+                context = around(dx, qs, bq)
+                init = (rows_in(dx, context).astype(acc), *scalars, context)
+            else:
+                init = (_tiles.zeros(row[0], acc, self.x, ys), *scalars)
             dxq, *scalars = loop(step, blocks(m, bk), init, ys, cols_meta)
-            dxq = self.scale * dxq
-            if add:  # the rows of the block before already hold their share
-                dxq = jnp.where(own, dxq, 0) + held(read(dx, qs, bq)).astype(acc)
-            return write(dx, dxq.astype(dx.dtype), qs), *scalars
+            if not add:
+                return write(dx, (scale * dxq).astype(dx.dtype), qs), *scalars
+            *scalars, context = scalars
+            return update(dx, dxq.astype(dx.dtype), qs, context), *scalars
 
         zero = _tiles.zeros(self.ys[0, 0], acc, self.x, self.ys)
         nq = blocks(self.n, bq)
         return loop(query_block, nq, (dx, zero, zero), self.ys, self.cols_meta, *self.rows)
 
-    def key_grad(self, j, yk, cols_meta, rows):
-        """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before)."""
-        acc, ks = self.scale.dtype, first(j, self.bk, self.m)
+    def key_grad(self, j, yk, cols_meta, rows, init=None):
+        """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before), or
+        ``init`` plus it (``init``: read before the loop, as in :meth:`query_sweep`)."""
+        acc, ks, scale = self.scale.dtype, first(j, self.bk, self.m), self.scale
         cm = read_tree(cols_meta, ks, self.bk)
+
+        adding = init is not None
 
         def step(i, dyk, *rows):
             row, own, qs = self.read_rows(rows, i)
             _, dz = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
-            dz = jnp.where(own, dz, 0)
-            return dyk + jnp.matmul(dz.T, row[0], preferred_element_type=acc)
+            grad = jnp.matmul(jnp.where(own, dz, 0).T, row[0], preferred_element_type=acc)
+            return dyk + (scale * grad if adding else grad)
 
+        if adding:
+            return loop(step, blocks(self.n, self.bq), init, *rows)
         init = _tiles.zeros(yk, acc, self.x, self.ys)
-        return self.scale * loop(step, blocks(self.n, self.bq), init, *rows)
+        return scale * loop(step, blocks(self.n, self.bq), init, *rows)
 
     def key_sweep(self, dy, zero, add):
         """``dy`` with each key block's gradient written over ``ys``'s rows (or added).
@@ -248,9 +272,8 @@ class _Sweeps:
         def key_block(j, dy, zero, ys, cols_meta, *rows):
             j = j + zero  # ``zero`` is 0 and orders this sweep after the first
             yk = read(dy if ys is None else ys, j * bk, bk)
-            dyk = self.key_grad(j, yk, cols_meta, rows)
-            if add:
-                dyk = dyk + held(read(dy, j * bk, bk)).astype(acc)
+            init = read(dy, j * bk, bk).astype(acc) if add else None
+            dyk = self.key_grad(j, yk, cols_meta, rows, init)
             return write(dy, dyk.astype(dy.dtype), j * bk)
 
         dy = loop(key_block, m // bk, dy, zero, ys, self.cols_meta, *self.rows)
@@ -259,7 +282,7 @@ class _Sweeps:
             yk = read(dy if ys is None else ys, m - bk, bk)
             last = self.key_grad(blocks(m, bk) - 1, yk, self.cols_meta, self.rows)[bk - own :]
             if add:
-                last = last + held(read(dy, m - own, own)).astype(acc)
+                last = last + read(dy, m - own, own).astype(acc)
             last = last.astype(dy.dtype)
             dy = _narrow.update_in_place(lambda dy: write(dy, last, m - own), dy)
         return dy

@@ -80,7 +80,8 @@ class Rule(NamedTuple):
             same = _equal(rm["qid"], cm["qid"])
             drop = _or(drop, same & (gj % self.k == 0) if self.docs else same)
         if self.guide is not None:
-            scores = jnp.matmul(rm["g"], cm["g"].T, preferred_element_type=jnp.float32)
+            acc = jnp.promote_types(jnp.result_type(rm["g"], cm["g"]), jnp.float32)
+            scores = jnp.matmul(rm["g"], cm["g"].T, preferred_element_type=acc)
             t, margin = rm["t"], rm["margin"]
             bar = t - margin if self.guide == "absolute" else t - jnp.abs(t) * margin
             # One boolean tile, materialised: else each consumer recomputes it from the

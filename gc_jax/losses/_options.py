@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gc_jax import _narrow
 from gc_jax.losses._families import Family, Spec
 from gc_jax.losses._masks import Rule
 from gc_jax.losses._tiles import Firsts, Repeated
@@ -142,7 +143,7 @@ def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
             "margin and margin_strategy filter negatives by a guide's scores: pass "
             "guide=(guide_x, guide_y) too, or leave them at their defaults."
         )
-    return jax.lax.stop_gradient(jnp.asarray(margin, jnp.float32))
+    return jax.lax.stop_gradient(jnp.asarray(margin, float))  # float64 under x64
 
 
 def spec(options: Options, k: int) -> Spec:
@@ -163,16 +164,19 @@ def spec(options: Options, k: int) -> Spec:
 
 
 def thresholds(guide: tuple[jax.Array, jax.Array], k: int) -> jax.Array:
-    """``[n]``: the guide's score of each query's positive pair (in float32).
+    """``[n]``: the guide's score of each query's positive pair (in at least float32).
 
-    With ``k > 1`` every document of a query is scored (``[n, k]``, small) and the
-    first kept: a strided slice of the guide's documents would be a batch-sized copy.
+    Narrow floats: a product and a sum, which XLA fuses into one pass (a dot product
+    would be given float32 copies of both sides first). Else a dot product of each
+    query with its ``k`` documents (``[n, k]``, small), the first kept: no copy of the
+    strided positives.
     """
     gx, gy = guide
-    if k == 1:
-        return jnp.einsum("nd,nd->n", gx, gy, preferred_element_type=jnp.float32)
+    acc = jnp.promote_types(jnp.result_type(gx, gy), jnp.float32)
     grouped = Firsts(gy, k).grouped()
-    return jnp.einsum("nd,nkd->nk", gx, grouped, preferred_element_type=jnp.float32)[:, 0]
+    if _narrow.is_narrow(gx) or _narrow.is_narrow(gy):
+        return jnp.sum(gx.astype(acc) * grouped[:, 0].astype(acc), axis=-1)
+    return jnp.einsum("nd,nkd->nk", gx, grouped, preferred_element_type=acc)[:, 0]
 
 
 def metadata(

@@ -119,16 +119,6 @@ def read(v: jax.Array | Firsts | Repeated, start: jax.Array, size: int) -> jax.A
     return _narrow.on_cpu_as_bits(get, v) if _narrow.is_narrow(v) else get(v)
 
 
-def held(block: jax.Array) -> jax.Array:
-    """A block read from a buffer about to be updated there, as a buffer of its own.
-
-    Fused into the update, the read would keep XLA:CPU from updating a narrow-float
-    buffer in place (through the bits of ``_narrow``): it would copy the whole buffer
-    at every block.
-    """
-    return jax.lax.optimization_barrier(block)
-
-
 def read_tree(tree: Any, start: jax.Array, size: int) -> Any:
     """Rows ``start : start + size`` of every per-row leaf of ``tree`` (scalars as they are)."""
 
@@ -139,15 +129,35 @@ def read_tree(tree: Any, start: jax.Array, size: int) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_view)
 
 
-def write(buf: jax.Array | Firsts, rows: jax.Array, start: jax.Array) -> jax.Array | Firsts:
+def write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
     """``buf`` with ``rows`` written from row ``start`` on (in place)."""
-    if isinstance(buf, Firsts):  # their slab read, its every k-th row set, written back
-        k = buf.k
-        slab = held(read(buf.array, start * k, rows.shape[0] * k))
-        slab = slab.reshape(rows.shape[0], k, *slab.shape[1:]).at[:, 0].set(rows)
-        return Firsts(write(buf.array, slab.reshape(-1, *slab.shape[2:]), start * k), k)
     put = lambda buf, rows: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, 0)
     return _narrow.on_cpu_as_bits(put, buf, rows) if _narrow.is_narrow(buf) else put(buf, rows)
+
+
+def around(buf: jax.Array | Firsts, start: jax.Array, size: int) -> jax.Array:
+    """What adding to rows ``start : start + size`` of ``buf`` needs: their values (for
+    :class:`Firsts`, the contiguous slab of their groups of ``k``, whose other rows stay)."""
+    if isinstance(buf, Firsts):
+        return read(buf.array, start * buf.k, size * buf.k)
+    return read(buf, start, size)
+
+
+def rows_in(buf: jax.Array | Firsts, context: jax.Array) -> jax.Array:
+    """The rows' values, from :func:`around`'s ``context``."""
+    if isinstance(buf, Firsts):
+        return context.reshape(-1, buf.k, *context.shape[1:])[:, 0]
+    return context
+
+
+def update(buf: Any, rows: jax.Array, start: jax.Array, context: jax.Array) -> Any:
+    """``buf`` with ``rows`` written from row ``start`` on, in place; for :class:`Firsts`
+    their slab (``context``, from :func:`around`) is written back with them set."""
+    if isinstance(buf, Firsts):
+        grouped = context.reshape(rows.shape[0], buf.k, *context.shape[1:])
+        slab = grouped.at[:, 0].set(rows).reshape(context.shape)
+        return Firsts(write(buf.array, slab, start * buf.k), buf.k)
+    return write(buf, rows, start)
 
 
 def loop(body: Callable, steps: int, init: Any, *arrays: Any) -> Any:

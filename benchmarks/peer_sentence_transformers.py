@@ -1,0 +1,197 @@
+"""Do contrastive_loss's options give sentence-transformers 6.2's values and gradients?
+
+On the same float64 embeddings: ``gc_jax.losses.contrastive_loss`` with
+``directions=``/``partition_mode=`` against sentence-transformers'
+``MultipleNegativesRankingLoss`` (``compute_loss_from_embeddings``, dot-product
+similarity, ``scale = 1 / temperature``), and with ``guide=`` against its
+``GISTEmbedLoss`` (``CachedGISTEmbedLoss.calculate_loss``, which takes embeddings;
+cosine similarity for the model and the guide, so the JAX side normalises its rows
+inside the differentiated function). Loss values and the gradients of every input
+(anchors, positives, each column of hard negatives) are compared; sentence-transformers
+lays a batch out by columns (all positives, then each negative column), gc_jax by
+query (its ``k`` documents in a row), which the script converts.
+
+Run it where both torch and sentence-transformers 6.2 are installed (NumPy between
+the two sides; JAX with float64)::
+
+    python -m benchmarks.peer_sentence_transformers \
+        --json benchmarks/results/peer_sentence_transformers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from benchmarks import common
+
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+# name: (k, gc_jax options, sentence-transformers loss and options)
+CASES = {
+    "InfoNCE": (1, {}, ("mnrl", {})),
+    "InfoNCE, 2 hard negatives": (3, {}, ("mnrl", {})),
+    "symmetric (per_direction)": (
+        3,
+        {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+        (
+            "mnrl",
+            {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+        ),
+    ),
+    "GTE, pairs": (1, {"directions": GTE}, ("mnrl", {"directions": GTE})),
+    "GTE, 2 hard negatives": (3, {"directions": GTE}, ("mnrl", {"directions": GTE})),
+    "query_to_query, doc_to_doc": (
+        3,
+        {"directions": ("query_to_doc", "query_to_query", "doc_to_doc")},
+        ("mnrl", {"directions": ("query_to_doc", "query_to_query", "doc_to_doc")}),
+    ),
+    "GIST, pairs, absolute 0.1": (
+        1,
+        {"directions": ("query_to_doc", "query_to_query", "doc_to_doc"), "margin": 0.1},
+        ("gist", {"margin": 0.1}),
+    ),
+    "GIST, pairs, relative 0.3": (
+        1,
+        {
+            "directions": ("query_to_doc", "query_to_query", "doc_to_doc"),
+            "margin_strategy": "relative",
+            "margin": 0.3,
+        },
+        ("gist", {"margin_strategy": "relative", "margin": 0.3}),
+    ),
+    "GIST, triplets, anchors only": (
+        2,
+        {"directions": ("query_to_doc", "query_to_query"), "margin": 0.05},
+        ("gist", {"margin": 0.05, "contrast_positives": False}),
+    ),
+    "GIST, triplets, anchors and positives": (  # differs by definition: see the docstring
+        2,
+        {"directions": ("query_to_doc", "query_to_query", "doc_to_doc"), "margin": 0.05},
+        ("gist", {"margin": 0.05}),
+    ),
+}
+DIFFERS = {"GIST, triplets, anchors and positives"}  # doc_to_doc holds hard negatives there
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, default=24, help="queries")
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.05)
+    p.add_argument("--json", type=str, default=None)
+    return p.parse_args(argv)
+
+
+def batch(n: int, k: int, dim: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Queries, their k documents (by query), and a guide's rows that agree with positives."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(n, dim))
+    docs = rng.normal(size=(n, k, dim))
+    docs[:, 0] = q + 0.8 * rng.normal(size=(n, dim))  # positives near their query
+    gq = q[:, : dim // 2] + 0.5 * rng.normal(size=(n, dim // 2))
+    gdocs = docs[..., : dim // 2] + 0.5 * rng.normal(size=(n, k, dim // 2))
+    return {"q": q, "docs": docs, "gq": gq, "gdocs": gdocs}
+
+
+def st_side(data: dict, case: tuple, temperature: float) -> tuple[float, list[np.ndarray]]:
+    """sentence-transformers' loss and gradients: [anchors, positives, negatives...]."""
+    import torch  # only here: the script imports without it
+    from sentence_transformers import util
+    from sentence_transformers.sentence_transformer import losses
+
+    kind, opts = case
+    k = data["docs"].shape[1]
+    leaf = lambda a: torch.tensor(a, dtype=torch.float64, requires_grad=True)
+    reps = [leaf(data["q"])] + [leaf(data["docs"][:, c]) for c in range(k)]
+    if kind == "mnrl":
+        loss_fn = losses.MultipleNegativesRankingLoss(
+            None, scale=1 / temperature, similarity_fct=util.dot_score, **opts
+        )
+        loss = loss_fn.compute_loss_from_embeddings(reps, None)
+    else:
+        loss_fn = losses.CachedGISTEmbedLoss.__new__(losses.CachedGISTEmbedLoss)
+        torch.nn.Module.__init__(loss_fn)
+        loss_fn.temperature, loss_fn.similarity_fct = temperature, torch.nn.CosineSimilarity(-1)
+        loss_fn.margin_strategy = opts.get("margin_strategy", "absolute")
+        loss_fn.margin, loss_fn.contrast_anchors = opts["margin"], True
+        loss_fn.contrast_positives = opts.get("contrast_positives", True)
+        loss_fn.gather_across_devices, loss_fn.show_progress_bar = False, False
+        loss_fn.mini_batch_size = len(data["q"])
+        loss_fn.cross_entropy_loss = torch.nn.CrossEntropyLoss()
+        guided = [torch.tensor(data["gq"])] + [torch.tensor(data["gdocs"][:, c]) for c in range(k)]
+        loss = loss_fn.calculate_loss([[r] for r in reps], [[g] for g in guided])
+    loss.backward()
+    return loss.detach().item(), [r.grad.numpy() for r in reps]
+
+
+def gc_jax_side(data: dict, case: tuple, temperature: float) -> tuple[float, list[np.ndarray]]:
+    """gc_jax's loss and gradients, in sentence-transformers' column layout."""
+    import jax.numpy as jnp
+
+    from gc_jax.losses import contrastive_loss
+
+    (k, opts, (kind, _)) = case
+    n, dim = data["q"].shape
+    unit = lambda v: v / jnp.linalg.norm(v, axis=-1, keepdims=True)
+    prep = unit if kind == "gist" else (lambda v: v)
+    if kind == "gist":
+        guide = (unit(jnp.asarray(data["gq"])), unit(jnp.asarray(data["gdocs"]).reshape(n * k, -1)))
+        opts = {**opts, "guide": guide}
+
+    def loss(q, y):
+        return contrastive_loss(prep(q), prep(y), temperature=temperature, **opts)
+
+    y = jnp.asarray(data["docs"]).reshape(n * k, dim)
+    value, (dq, dy) = jax.jit(jax.value_and_grad(loss, (0, 1)))(jnp.asarray(data["q"]), y)
+    dy = np.asarray(dy).reshape(n, k, dim)
+    return float(value), [np.asarray(dq)] + [dy[:, c] for c in range(k)]
+
+
+def compare(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    k, opts, st_case = CASES[name]
+    data = batch(args.rows, k, args.dim)
+    st_value, st_grads = st_side(data, st_case, args.temperature)
+    gc_value, gc_grads = gc_jax_side(data, (k, opts, st_case), args.temperature)
+    grad_err = max(
+        float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        for a, b in zip(gc_grads, st_grads, strict=True)
+    )
+    return {"case": name, "k": k, "sentence_transformers": st_value, "gc_jax": gc_value,
+            "value_rel_err": abs(gc_value - st_value) / abs(st_value),
+            "grad_rel_err": grad_err}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    jax.config.update("jax_enable_x64", True)
+    import sentence_transformers
+
+    print(f"machine: {common.machine()}; sentence-transformers {sentence_transformers.__version__}")
+    print(f"{args.rows} queries, {args.dim}-d float64 rows, temperature {args.temperature}\n")
+    print("| case | k | sentence-transformers | gc_jax | value rel. err | grads rel. err |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for name in CASES:
+        row = compare(name, args)
+        rows.append(row)
+        mark = " (differs by definition)" if name in DIFFERS else ""
+        print(f"| {name}{mark} | {row['k']} | {row['sentence_transformers']:.12f} | "
+              f"{row['gc_jax']:.12f} | {row['value_rel_err']:.1e} | {row['grad_rel_err']:.1e} |",
+              flush=True)  # fmt: skip
+    agree = [r for r in rows if r["case"] not in DIFFERS]
+    worst = max(max(r["value_rel_err"], r["grad_rel_err"]) for r in agree)
+    print(f"\nworst relative error where the definitions agree: {worst:.1e}")
+    if args.json:
+        result = {"command": common.command("peer_sentence_transformers", sys.argv[1:]),
+                  "machine": common.machine(), "args": vars(args), "cases": rows,
+                  "sentence_transformers": sentence_transformers.__version__}  # fmt: skip
+        common.write_json(common.ROOT / args.json, result)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
