@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=24, help="queries")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.05)
+    p.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="*",
+        default=[5],
+        help="gc_jax's blockwise forms compared too (besides the dense one)",
+    )
     p.add_argument("--json", type=str, default=None)
     return p.parse_args(argv)
 
@@ -128,7 +135,9 @@ def st_side(data: dict, case: tuple, temperature: float) -> tuple[float, list[np
     return loss.detach().item(), [r.grad.numpy() for r in reps]
 
 
-def gc_jax_side(data: dict, case: tuple, temperature: float) -> tuple[float, list[np.ndarray]]:
+def gc_jax_side(
+    data: dict, case: tuple, temperature: float, block_size: int | None
+) -> tuple[float, list[np.ndarray]]:
     """gc_jax's loss and gradients, in sentence-transformers' column layout."""
     import jax.numpy as jnp
 
@@ -143,7 +152,9 @@ def gc_jax_side(data: dict, case: tuple, temperature: float) -> tuple[float, lis
         opts = {**opts, "guide": guide}
 
     def loss(q, y):
-        return contrastive_loss(prep(q), prep(y), temperature=temperature, **opts)
+        return contrastive_loss(
+            prep(q), prep(y), temperature=temperature, block_size=block_size, **opts
+        )
 
     y = jnp.asarray(data["docs"]).reshape(n * k, dim)
     value, (dq, dy) = jax.jit(jax.value_and_grad(loss, (0, 1)))(jnp.asarray(data["q"]), y)
@@ -151,17 +162,17 @@ def gc_jax_side(data: dict, case: tuple, temperature: float) -> tuple[float, lis
     return float(value), [np.asarray(dq)] + [dy[:, c] for c in range(k)]
 
 
-def compare(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def compare(name: str, args: argparse.Namespace, block_size: int | None) -> dict[str, Any]:
     k, opts, st_case = CASES[name]
     data = batch(args.rows, k, args.dim)
     st_value, st_grads = st_side(data, st_case, args.temperature)
-    gc_value, gc_grads = gc_jax_side(data, (k, opts, st_case), args.temperature)
+    gc_value, gc_grads = gc_jax_side(data, (k, opts, st_case), args.temperature, block_size)
     grad_err = max(
         float(np.linalg.norm(a - b) / np.linalg.norm(b))
         for a, b in zip(gc_grads, st_grads, strict=True)
     )
-    return {"case": name, "k": k, "sentence_transformers": st_value, "gc_jax": gc_value,
-            "value_rel_err": abs(gc_value - st_value) / abs(st_value),
+    return {"case": name, "k": k, "block_size": block_size, "sentence_transformers": st_value,
+            "gc_jax": gc_value, "value_rel_err": abs(gc_value - st_value) / abs(st_value),
             "grad_rel_err": grad_err}  # fmt: skip
 
 
@@ -172,16 +183,19 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"machine: {common.machine()}; sentence-transformers {sentence_transformers.__version__}")
     print(f"{args.rows} queries, {args.dim}-d float64 rows, temperature {args.temperature}\n")
-    print("| case | k | sentence-transformers | gc_jax | value rel. err | grads rel. err |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| case | k | gc_jax form | sentence-transformers | gc_jax | value rel. err | "
+          "grads rel. err |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|")
     rows = []
     for name in CASES:
-        row = compare(name, args)
-        rows.append(row)
-        mark = " (differs by definition)" if name in DIFFERS else ""
-        print(f"| {name}{mark} | {row['k']} | {row['sentence_transformers']:.12f} | "
-              f"{row['gc_jax']:.12f} | {row['value_rel_err']:.1e} | {row['grad_rel_err']:.1e} |",
-              flush=True)  # fmt: skip
+        for block_size in (None, *args.block_sizes):
+            row = compare(name, args, block_size)
+            rows.append(row)
+            mark = " (differs by definition)" if name in DIFFERS else ""
+            form = "dense" if block_size is None else f"block_size={block_size}"
+            print(f"| {name}{mark} | {row['k']} | {form} | {row['sentence_transformers']:.12f} | "
+                  f"{row['gc_jax']:.12f} | {row['value_rel_err']:.1e} | "
+                  f"{row['grad_rel_err']:.1e} |", flush=True)  # fmt: skip
     agree = [r for r in rows if r["case"] not in DIFFERS]
     worst = max(max(r["value_rel_err"], r["grad_rel_err"]) for r in agree)
     print(f"\nworst relative error where the definitions agree: {worst:.1e}")

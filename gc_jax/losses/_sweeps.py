@@ -1,0 +1,155 @@
+"""The backward of the blockwise losses: two sweeps over one loss's tiles.
+
+The sweep over query blocks forms each block's gradient (and the scalars') from every
+key block; the sweep over key blocks forms each key block's gradient from every query
+block, so no batch-sized gradient is carried across blocks. Each either writes its
+gradients (over copies of the inputs: ``_blockwise.backward``) or adds them into
+buffers that several losses share (``_families``, ``_ring_families``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from gc_jax import _narrow
+from gc_jax.losses import _tiles
+from gc_jax.losses._tiles import (
+    Firsts,
+    around,
+    blocks,
+    first,
+    loop,
+    read,
+    read_tree,
+    rows_in,
+    sizes,
+    tile,
+    update,
+    write,
+)
+
+
+class Sweeps:
+    """The two sweeps of ``_blockwise.backward`` over one loss's tiles."""
+
+    def __init__(self, kind, block, x, ys, targets, scale, bias, stat, g, mask):
+        self.kind, self.x, self.ys, self.scale, self.bias = kind, x, ys, scale, bias
+        (self.bq, self.bk), self.n, self.m = sizes(block, x, ys), len(x), len(ys)
+        self.rule, rows_meta, self.cols_meta = mask or (None, None, None)
+        self.rows = (x, targets, stat, g, rows_meta)
+
+    def read_rows(self, rows, i):
+        qs = first(i, self.bq, self.n)
+        return read_tree(rows, qs, self.bq), _tiles.own_rows(qs, self.bq, i * self.bq), qs
+
+    def tile_grad(self, row, qs, yk, ks, own, cm):
+        """A tile's raw scores and ``dz``: a block of queries against keys from ``ks``."""
+        xq, tq, sq, gq, rm = row
+        keep = None if self.rule is None else self.rule.keep(rm, cm, *self.positions(qs, ks))
+        raw, z, valid, pos = tile(xq, yk, tq, ks, own, self.scale, self.bias, keep)
+        return raw, gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
+
+    def positions(self, qs, ks):
+        return qs + jnp.arange(self.bq), ks + jnp.arange(self.bk)
+
+    def query_sweep(self, dx, add):
+        """``dx`` with each query block's gradient written (or added), and the scalars'.
+
+        Adding, the block's current rows (for :class:`Firsts`, their slab) are read
+        before its loop over keys and carried through it, so that they are a buffer of
+        their own: a read fused into the block's update would keep XLA:CPU from
+        updating a narrow-float buffer in place (a copy of the whole buffer per block).
+        """
+        acc, bq, bk, m, scale = self.scale.dtype, self.bq, self.bk, self.m, self.scale
+
+        def query_block(i, carry, ys, cols_meta, *rows):
+            row, own, qs = self.read_rows(rows, i)
+
+            def step(j, carry, ys, cols_meta):
+                dxq, dscale, dbias, *context = carry
+                ks = first(j, bk, m)
+                yk = read(ys, ks, bk)
+                raw, dz = self.tile_grad(row, qs, yk, ks, j * bk, read_tree(cols_meta, ks, bk))
+                grad = jnp.matmul(dz, yk, preferred_element_type=acc)
+                # Adding: rows of the previous block hold their share already.
+                dxq = dxq + (jnp.where(own, scale * grad, 0) if add else grad)
+                dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
+                # The context made to depend on the loop (else XLA forwards it past the
+                # loop and fuses its read into the update again): it adds zero.
+                context = [
+                    c + jnp.where(dxq[0, 0] > jnp.inf, 1, 0).astype(c.dtype) for c in context
+                ]
+                return dxq, dscale + (dz * raw).sum(), dbias + dz.sum(), *context
+
+            dx, *scalars = carry
+            if add:
+                context = around(dx, qs, bq)
+                init = (rows_in(dx, context).astype(acc), *scalars, context)
+            else:
+                init = (_tiles.zeros(row[0], acc, self.x, ys), *scalars)
+            dxq, *scalars = loop(step, blocks(m, bk), init, ys, cols_meta)
+            if not add:
+                return write(dx, (scale * dxq).astype(dx.dtype), qs), *scalars
+            *scalars, context = scalars
+            return update(dx, dxq.astype(dx.dtype), qs, context), *scalars
+
+        zero = _tiles.zeros(self.ys[0, 0], acc, self.x, self.ys)
+        nq = blocks(self.n, bq)
+        return loop(query_block, nq, (dx, zero, zero), self.ys, self.cols_meta, *self.rows)
+
+    def key_grad(self, j, yk, cols_meta, rows, init=None):
+        """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before), or
+        ``init`` plus it (``init``: read before the loop, as in :meth:`query_sweep`)."""
+        acc, ks, scale = self.scale.dtype, first(j, self.bk, self.m), self.scale
+        cm = read_tree(cols_meta, ks, self.bk)
+
+        adding = init is not None
+
+        def step(i, dyk, *rows):
+            row, own, qs = self.read_rows(rows, i)
+            _, dz = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
+            grad = jnp.matmul(jnp.where(own, dz, 0).T, row[0], preferred_element_type=acc)
+            return dyk + (scale * grad if adding else grad)
+
+        if adding:
+            return loop(step, blocks(self.n, self.bq), init, *rows)
+        init = _tiles.zeros(yk, acc, self.x, self.ys)
+        return scale * loop(step, blocks(self.n, self.bq), init, *rows)
+
+    def key_sweep(self, dy, zero, add):
+        """``dy`` with each key block's gradient written over ``ys``'s rows (or added).
+
+        Written over: each block of ``ys`` is read from ``dy`` just before it is
+        overwritten, and ``ys`` itself is not read (so its buffer can become ``dy``'s).
+        """
+        bk, m, acc = self.bk, self.m, self.scale.dtype
+        ys = self.ys if add else None
+
+        def key_block(j, dy, zero, ys, cols_meta, *rows):
+            j = j + zero  # ``zero`` is 0 and orders this sweep after the first
+            yk = read(dy if ys is None else ys, j * bk, bk)
+            init = read(dy, j * bk, bk).astype(acc) if add else None
+            dyk = self.key_grad(j, yk, cols_meta, rows, init)
+            return write(dy, dyk.astype(dy.dtype), j * bk)
+
+        dy = loop(key_block, m // bk, dy, zero, ys, self.cols_meta, *self.rows)
+        if m % bk:  # the last block overlaps the one before: only its own rows are written
+            own = m % bk
+            yk = read(dy if ys is None else ys, m - bk, bk)
+            last = self.key_grad(blocks(m, bk) - 1, yk, self.cols_meta, self.rows)[bk - own :]
+            if add:
+                last = last + read(dy, m - own, own).astype(acc)
+            last = last.astype(dy.dtype)
+            dy = _narrow.update_in_place(lambda dy: write(dy, last, m - own), dy)
+        return dy
+
+    def add_into(self, dx_buf, dy_buf):
+        """Adds both sweeps' gradients into the buffers: ``(dx_buf, dy_buf, dscale, dbias)``."""
+        dx_buf, dscale, dbias = self.query_sweep(dx_buf, add=True)
+        zero = jnp.zeros((), jnp.int32)
+        if dy_buf is None:  # the keys are rows of the array under dx_buf
+            if isinstance(dx_buf, Firsts):
+                under = self.key_sweep(dx_buf.array, zero, add=True)
+                return Firsts(under, dx_buf.k), None, dscale, dbias
+            return self.key_sweep(dx_buf, zero, add=True), None, dscale, dbias
+        return dx_buf, self.key_sweep(dy_buf, zero, add=True), dscale, dbias
