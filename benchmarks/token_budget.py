@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "compile times, distinct chunk shapes)")  # fmt: skip
     add("--fit-batches", type=int, default=16, help="batches the buckets are fitted on")
     add("--batches", type=int, default=2, help="distinct batches timed")
-    add("--rounds", type=int, default=5, help="interleaved timing rounds")
+    add("--rounds", type=int, default=5, help="interleaved timing rounds (0: no timing)")
     add("--tpu", metavar="TOPOLOGY", help="also compile for one TPU chip, e.g. v5e:2x2")
     add("--json", help="write the results here")
     return parser.parse_args(argv)
@@ -235,7 +235,8 @@ def measure(args, model, params, settings, batches) -> dict:
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "shapes": [sorted(c) for c in counts[0]],
         }
-        jax.block_until_ready(compiled(params, *batches[0]))  # warm up
+        if args.rounds:
+            jax.block_until_ready(compiled(params, *batches[0]))  # warm up
     for i in range(args.rounds):  # interleaved; every other round in reverse order
         for r in list(results.values())[:: 1 if i % 2 == 0 else -1]:
             wall, cpu = time.perf_counter(), time.process_time()
@@ -279,9 +280,9 @@ def main(argv=None) -> dict:
     return results
 
 
-def _spread(xs, scale=1.0) -> str:
-    xs = [x * scale for x in xs]
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+def _spread(xs) -> str:
+    """Median (range); ``-`` where nothing was timed (``--rounds 0``)."""
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"
 
 
 def report(results, settings, args) -> None:

@@ -227,9 +227,8 @@ class TokenPlan(NamedTuple):
         at = self.starts[:, b : b + 1] + pos[None, :]
         end = self.ends[:, b : b + 1]
         valid = at < end
-        # Padding rows repeat the span's last row, which fits the bucket (so no row is
-        # cut short, whose encoding could be NaN); where the span is empty, the
-        # shard's shortest row.
+        # Padding rows repeat the row before the span's end, which fits the bucket (no
+        # row is cut short, whose encoding could be NaN); at the start, the shortest.
         at = jnp.minimum(at, jnp.maximum(end - 1, 0))
         return jnp.take_along_axis(self.order, at, axis=1), valid
 
