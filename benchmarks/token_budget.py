@@ -14,8 +14,8 @@ pairs; the data (``--data``):
 
 Settings: ``rows``: ``chunk_size=--chunk`` rows (default: ``--tokens`` over the documents'
 padded length, so a chunk holds as many tokens as a budget chunk); ``tokens``: per input
-``gc_jax.TokenBudget.for_lengths`` on ``--fit-batches`` other batches (``--max-buckets``),
-or ``--buckets`` for the documents.
+``gc_jax.TokenBudget.for_lengths`` on ``--fit-batches`` other batches (``--max-buckets``;
+``--query-max-buckets``), or ``--buckets`` for every input.
 
 Printed for each: the padded share of the tokens each pass encodes (a budget's padding
 rows count as padding), the work (FLOPs of every chunk's encoder forward and
@@ -24,7 +24,8 @@ forward-backward, from XLA's cost analysis of each chunk shape), the step time
 wall and CPU times, and of the paired ratio to ``rows``), the compile time (lower and
 compile, wall and CPU seconds), the compiled temp memory on this machine and, with
 ``--tpu``, on the TPU compiler for one chip of that topology (``memory_analysis()`` and
-the HBM temp its buffer assignment allocates), and the chunk shapes compiled.
+the HBM temp its buffer assignment allocates, and how many tuple values it holds:
+each takes a 16 KiB slot), and the chunk shapes compiled.
 
 Usage (from the repository root)::
 
@@ -36,7 +37,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import os
+import re
 import statistics
+import tempfile
 import time
 
 import jax
@@ -62,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--tokens", type=int, default=4096, help="the token budget of a chunk")
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
-    add("--buckets", type=int, nargs="+", help="the documents' buckets (else fitted)")
+    add("--buckets", type=int, nargs="+", help="every input's buckets (else fitted)")
     add("--query-max-buckets", type=int, default=1, help="max_buckets of the queries' budget")
     add("--compile-scaling", type=int, nargs="*", metavar="K",
         help="only compile: rows, then budgets of K fitted document buckets (lower and "
@@ -154,8 +159,8 @@ def input_budgets(args, fit) -> tuple[gc_jax.TokenBudget, gc_jax.TokenBudget]:
     out = []
     out = []
     for i, padded in enumerate((args.query_length, args.document_length)):
-        if i == 1 and args.buckets:
-            out.append(gc_jax.TokenBudget(args.tokens, tuple(args.buckets)))
+        if args.buckets:  # a batch padded to L uses the buckets below L, and L
+            out.append(gc_jax.TokenBudget(args.tokens, tuple(sorted({*args.buckets, padded}))))
             continue
         sample = np.stack([b[i]["attention_mask"].sum(-1) for b in fit])
         most = (args.query_max_buckets, args.max_buckets)[i]
@@ -196,19 +201,36 @@ def compile_timed(step, *args):
     return compiled, time.perf_counter() - wall, time.process_time() - cpu
 
 
+# A preallocated temp in HBM (no "color" clause) and the values in it, in a TPU
+# buffer-assignment dump (see benchmarks.common._TEMP for the two line formats).
+_HBM_TEMP = re.compile(r"^allocation \d+: size \d+,(?: page \d+,)? preallocated-temp:\n"
+                       r"((?: value:.*\n)+)", re.M)  # fmt: skip
+_VALUE = re.compile(r"value: <\d+ \S+ @\d+> \(size=\d+,offset=(\d+)\): (\S)")
+
+
+def tuple_slots(dump: str) -> int:
+    """Offsets of HBM temp values that are tuples (a multi-output fusion's or a loop's
+    table of buffer addresses) in the buffer assignment: each takes a slot of its own."""
+    slots = set()
+    for block in _HBM_TEMP.findall(dump):
+        slots |= {offset for offset, first in _VALUE.findall(block) if first == "("}
+    return len(slots)
+
+
 def tpu_memory(step, params, batch, topology: str) -> dict:
     """Temp bytes of the step compiled for one chip of ``topology`` (compile only)."""
     device = common.tpu_devices(topology, host_bounds=(2, 2, 1))[0]
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype),
                           (params, *batch))  # fmt: skip
-    tick = time.perf_counter()
-    compiled, allocated = common.compile_with_allocation(
-        step.lower(*common.on_device(device, shapes))
-    )
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = step.lower(*common.on_device(device, shapes)).compile({"xla_dump_to": dump})
+        (path,) = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
+        with open(path) as f:
+            text = f.read()
     return {
         "tpu_temp": compiled.memory_analysis().temp_size_in_bytes,
-        "tpu_allocated_temp": allocated,
-        "tpu_compile_s": time.perf_counter() - tick,
+        "tpu_allocated_temp": common.preallocated_temps(text).get(0, 0),
+        "tpu_tuple_slots": tuple_slots(text),
     }
 
 
@@ -287,7 +309,7 @@ def _spread(xs) -> str:
 
 def report(results, settings, args) -> None:
     rows = results["rows"]
-    tpu = f" TPU {args.tpu} temp MiB: analysis / allocated |" if args.tpu else ""
+    tpu = f" TPU {args.tpu} temp MiB: analysis / allocated (tuple slots) |" if args.tpu else ""
     print("| chunks | padded share (all / docs) | GFLOP per step (vs rows) | step s, wall "
           "| step s, CPU | vs rows, wall | vs rows, CPU | compile s (CPU s) | CPU temp MiB |"
           f"{tpu} chunk shapes (queries; documents) |")  # fmt: skip
@@ -295,7 +317,8 @@ def report(results, settings, args) -> None:
         ratio = lambda key, r=r: [a / b for a, b in zip(r[key], rows[key], strict=True)]
         mem = ""
         if args.tpu:
-            mem = f" {r['tpu_temp'] / 2**20:.1f} / {r['tpu_allocated_temp'] / 2**20:.1f} |"
+            mem = (f" {r['tpu_temp'] / 2**20:.1f} / {r['tpu_allocated_temp'] / 2**20:.1f} "
+                   f"({r['tpu_tuple_slots']}) |")  # fmt: skip
         shapes = "; ".join(", ".join(f"{a}x{b}" for a, b in s) for s in r["shapes"])
         print(
             f"| {name}: {settings[name]} | {r['padded']:.1%} / {r['padded_docs']:.1%} | "
