@@ -87,7 +87,7 @@ def test_per_row_model_with_dict_inputs_and_dropout_matches_full_batch():
     assert not jnp.allclose(value, other_key), "dropout must follow the key"
     # Without a key: inference mode, the model's own deterministic output.
     plain = jax.vmap(eqx.nn.inference_mode(model))(**q)
-    chex.assert_trees_all_close(encode(params, q, None), plain, rtol=1e-6)
+    chex.assert_trees_all_close(encode(params, q, None), plain, rtol=1e-5)
 
 
 def test_rows_of_a_chunk_get_their_own_keys():
@@ -97,7 +97,7 @@ def test_rows_of_a_chunk_get_their_own_keys():
     assert not jnp.allclose(out[0], out[1]), "each row must draw its own dropout mask"
     chex.assert_trees_all_close(out, encode(params, same_rows, key))  # replayed exactly
     row_keys = jax.random.split(key, 4)
-    chex.assert_trees_all_close(out[2], tower()(same_rows[2], key=row_keys[2]), rtol=1e-6)
+    chex.assert_trees_all_close(out[2], tower()(same_rows[2], key=row_keys[2]), rtol=1e-5)
 
 
 class BatchedTower(eqx.Module):

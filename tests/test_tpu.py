@@ -17,7 +17,6 @@ per row on a TPU).
 import functools
 import os
 import re
-import textwrap
 from importlib import metadata
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
@@ -324,20 +323,3 @@ def test_one_gradient_all_reduce_per_step(form):
     assert gradient_all_reduces(many) == 1, f"{gradient_all_reduces(many)} gradient all-reduces"
     # Nor do the step's other all-reduces (the loss's) depend on the number of chunks.
     assert all_reduces(many) == all_reduces(one), (all_reduces(many), all_reduces(one))
-
-
-def test_the_readme_chunk_size_example_runs():
-    """README, "Choosing chunk_size": a small model fits a v5e chip at the full batch."""
-    from flax.training.train_state import TrainState
-    from test_readme import python_blocks
-
-    namespace: dict = {}
-    exec(python_blocks()[0], namespace)  # the quick start: encode, loss_fn
-    (block,) = [b for b in python_blocks() if "largest_chunk_size" in b]
-    params = {"w1": jax.ShapeDtypeStruct((8, 16), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((16, 4), jnp.float32)}  # fmt: skip
-    create = lambda p: TrainState.create(apply_fn=None, params=p, tx=optax.adamw(1e-3))
-    namespace["state"] = jax.eval_shape(create, params)
-    namespace["queries"] = namespace["docs"] = jax.ShapeDtypeStruct((4096, 8), jnp.float32)
-    exec(textwrap.dedent(block), namespace)
-    assert namespace["chunk"] == 4096
