@@ -16,10 +16,20 @@ fit in a v5e's 15.75 GiB the compiler refuses it and the figure is read from its
 message) and the collectives of the optimised HLO: how many of each kind, and the
 largest all-gather in bytes (a batch-sized all-gather is the gather form's cost).
 
+The options of issue 26 (``--losses contrastive_options maxsim``) are compiled at the
+fixed per-chip batch only: ``contrastive_options`` is InfoNCE with GTE's four
+directions, false-negative ids (int32 per row) and guide filtering (``[B, 384]``
+bfloat16 guide representations, margin 0.1); ``maxsim`` is the multi-vector loss on
+``[B, 32, --maxsim-dim]`` bfloat16 token vectors with token masks, 16,384 rows per
+chip and blocks of 128 rows.
+
 Usage::
 
     python -m benchmarks.ring_pod                   # the full table, JSON and plot
     python -m benchmarks.ring_pod --chips 16 --losses contrastive   # one point
+    python -m benchmarks.ring_pod --losses contrastive_options maxsim --methods ring \
+        --json benchmarks/results/ring_pod_options.json \
+        --plot benchmarks/plots/ring_pod_options.png
 """
 
 from __future__ import annotations
@@ -45,17 +55,31 @@ from benchmarks import common
 GIB = 2**30
 HBM = 15.75 * GIB  # what a v5e chip offers a program
 TOPOLOGIES = {16: "v5e:4x4", 64: "v5e:8x8", 256: "v5e:16x16"}
+PLAIN = ("contrastive", "clip", "sigmoid")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--chips", type=int, nargs="+", default=sorted(TOPOLOGIES))
-    p.add_argument("--losses", nargs="+", default=["contrastive", "clip", "sigmoid"])
+    p.add_argument(
+        "--losses",
+        nargs="+",
+        default=list(PLAIN),
+        choices=[*PLAIN, "contrastive_options", "maxsim"],
+    )
     p.add_argument("--methods", nargs="+", default=["gather", "ring"])
     p.add_argument("--per-chip", type=int, default=65_536)
     p.add_argument("--global-batch", type=int, default=2**20)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--block", type=int, default=4096)
+    p.add_argument(
+        "--maxsim-per-chip",
+        type=int,
+        default=16_384,
+        help="maxsim: rows per chip (each row is TOKENS x --maxsim-dim)",
+    )
+    p.add_argument("--maxsim-dim", type=int, default=128)
+    p.add_argument("--maxsim-block", type=int, default=128)
     p.add_argument("--json", type=Path, default=common.RESULTS / "ring_pod.json")
     p.add_argument("--plot", type=Path, default=common.PLOTS / "ring_pod.png")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
@@ -67,22 +91,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def setting(loss: str, args) -> tuple[int, int, int]:
+    """``(rows per chip, dim, block size)`` of ``loss``."""
+    if loss == "maxsim":
+        return args.maxsim_per_chip, args.maxsim_dim, args.maxsim_block
+    return args.per_chip, args.dim, args.block
+
+
 def mesh_of(chips: int) -> Mesh:
     devices = common.tpu_devices(TOPOLOGIES[chips], host_bounds=(2, 2, 1))
     return Mesh(np.array(devices), ("data",), axis_types=(AxisType.Explicit,))
 
 
 def step_of(loss: str, method: str, block: int):
-    """``(x, y, *scalars) -> (loss, grads of x, y and every scalar)``."""
+    """``(x, y, *scalars, *extras) -> (loss, grads of x, y and every scalar)``.
+
+    Returns the step, the scalars' values and a function of ``(batch, dim)`` giving
+    the loss's extra inputs (ids, guide representations, token masks) as shapes.
+    """
     losses = gc_jax.losses
-    fn, scalars = {
+    none = lambda batch, dim: ()
+    fn, scalars, extras = {
         "contrastive": (lambda x, y, t, **kw: losses.contrastive_loss(x, y, temperature=t, **kw),
-                        (0.05,)),
-        "clip": (losses.clip_loss, (np.log(1 / 0.07),)),
-        "sigmoid": (losses.sigmoid_loss, (np.log(10.0), -10.0)),
+                        (0.05,), none),
+        "clip": (losses.clip_loss, (np.log(1 / 0.07),), none),
+        "sigmoid": (losses.sigmoid_loss, (np.log(10.0), -10.0), none),
+        "contrastive_options": (_contrastive_options, (0.05,), _options_inputs),
+        "maxsim": (_maxsim, (0.05,), _maxsim_inputs),
     }[loss]  # fmt: skip
     fn = functools.partial(fn, block_size=block, method=method)
-    return jax.value_and_grad(fn, tuple(range(2 + len(scalars)))), scalars
+    return jax.value_and_grad(fn, tuple(range(2 + len(scalars)))), scalars, extras
+
+
+def _contrastive_options(x, y, t, query_ids, doc_ids, gx, gy, **kw):
+    """GTE's four directions, false-negative ids and guide filtering, all at once."""
+    return gc_jax.losses.contrastive_loss(
+        x, y, temperature=t, directions=DIRECTIONS, query_ids=query_ids, doc_ids=doc_ids,
+        guide=(gx, gy), margin=0.1, **kw,
+    )  # fmt: skip
+
+
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def _options_inputs(batch: int, dim: int) -> tuple:
+    ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    guide = jax.ShapeDtypeStruct((batch, GUIDE_DIM), jnp.bfloat16)
+    return ids, ids, guide, guide
+
+
+GUIDE_DIM = 384  # a small guide model's width (e.g. MiniLM)
+
+
+def _maxsim(q, d, t, q_mask, d_mask, **kw):
+    return gc_jax.losses.maxsim_loss(q, d, q_mask=q_mask, d_mask=d_mask, temperature=t, **kw)
+
+
+def _maxsim_inputs(batch: int, dim: int) -> tuple:
+    mask = jax.ShapeDtypeStruct((batch, TOKENS), jnp.bool_)
+    return mask, mask
+
+
+TOKENS = 32  # MaxSim: token vectors per row (ColBERT-style, [rows, TOKENS, --maxsim-dim])
 
 
 _COLLECTIVE = re.compile(
@@ -110,15 +180,17 @@ def collectives(hlo: str) -> dict:
 
 def compile_point(loss: str, method: str, chips: int, batch: int, dim: int, block: int) -> dict:
     mesh = mesh_of(chips)
-    rows = NamedSharding(mesh, P("data"))
-    step, scalars = step_of(loss, method, block)
-    x = jax.ShapeDtypeStruct((batch, dim), jnp.bfloat16, sharding=rows)
+    step, scalars, extras = step_of(loss, method, block)
+    shape = (batch, TOKENS, dim) if loss == "maxsim" else (batch, dim)
+    rows = lambda s: NamedSharding(mesh, P("data", *[None] * (len(s.shape) - 1)))
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
     s = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))] * len(scalars)
+    more = [jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=rows(e)) for e in extras(batch, dim)]
     start = time.perf_counter()
     out = {"loss": loss, "method": method, "chips": chips, "batch": batch,
            "per_chip": batch // chips}  # fmt: skip
     try:
-        compiled = jax.jit(step).lower(x, x, *s).compile()
+        compiled = jax.jit(step).lower(x, x, *s, *more).compile()
     except Exception as e:  # the compiler refuses a program that does not fit
         if (found := common.out_of_memory(e)) is None:
             raise
@@ -159,7 +231,7 @@ def plot(results: list[dict], args, path: Path) -> None:
         ax.set_xticks(chips, [str(c) for c in chips])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes[0].set_ylabel("per-chip temp memory (GiB), TPU compiler")
-    axes[1].legend(fontsize=7)
+    (axes[1] if axes[1].lines else axes[0]).legend(fontsize=7)
     common.save_figure(fig, path, dpi=120)
 
 
@@ -170,15 +242,20 @@ def main(argv=None) -> None:
         return
     points = []
     for chips in args.chips:
-        for batch in dict.fromkeys([args.per_chip * chips, args.global_batch]):
-            for loss in args.losses:
+        for loss in args.losses:
+            per_chip, _, _ = setting(loss, args)
+            batches = [per_chip * chips]
+            if loss in PLAIN:  # the new losses: the per-chip batch only (is it flat?)
+                batches.append(args.global_batch)
+            for batch in dict.fromkeys(batches):
                 for method in args.methods:
                     points.append((loss, method, chips, batch))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=common.ROOT).stdout.strip()  # fmt: skip
     results = []
     for loss, method, chips, batch in points:
-        r = compile_point(loss, method, chips, batch, args.dim, args.block)
+        _, dim, block = setting(loss, args)
+        r = compile_point(loss, method, chips, batch, dim, block)
         r["commit"] = commit
         results.append(r)
         print(

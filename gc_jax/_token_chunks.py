@@ -14,7 +14,6 @@ A chunk gathers its rows of that order; a partial chunk repeats its bucket's las
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -184,51 +183,65 @@ class TokenPlan(NamedTuple):
         """Every chunk this plan can cut (its rows, trimmed length and key; the lengths are
         traced, so a bucket's unused turns are encoded too and write no row), scattered
         back to the batch's order, differentiably (the reference of ``gc_jax.testing``;
-        one shard). ``trim=False``: the same chunks and keys at the padded length.
+        one shard). ``trim=False``: the same chunks and keys at the padded length, and
+        outputs with a token axis cut to the bucket's length, as the cache holds them.
 
         One ``lax.scan`` per bucket: its turns compile once, so the reference compiles
         about as fast as the cached step (unrolled, a 6-bucket budget at 64 rows took 18x).
         """
         plan = self if trim else self._replace(lengths=(self.padded,) * len(self.lengths))
-        out = None
+
+        def encoded(plan, bucket, turn):
+            chunk = BucketChunk(bucket, turn)
+            return encode(params, plan.take(batch, chunk), _keys.chunk_key(key, plan.number(chunk)))
+
+        buckets = range(len(self.rows))
+        shapes = [jax.eval_shape(lambda b=b: encoded(self, b, jnp.int32(0))) for b in buckets]
+        tokens = _token_leaves(shapes, self.lengths)
+        out = jax.tree.map(
+            lambda r: jnp.zeros((self.batch_size, *r.shape[1:]), r.dtype),
+            self.same_outputs(shapes, "encode"),
+        )
         for bucket, size in enumerate(plan.rows):
 
             def turn(out, t, bucket=bucket):
-                chunk = BucketChunk(bucket, t)
-                reps = encode(
-                    params, plan.take(batch, chunk), _keys.chunk_key(key, plan.number(chunk))
-                )
-                rows, valid = plan.where(chunk)
+                reps = encoded(plan, bucket, t)
+                if not trim and tokens:
+                    leaves, treedef = jax.tree.flatten(reps)
+                    cut = lambda r, tok: r[:, : self.lengths[bucket]] if tok else r
+                    reps = treedef.unflatten(map(cut, leaves, tokens))
+                rows, valid = plan.where(BucketChunk(bucket, t))
                 rows = jnp.where(valid, rows, plan.batch_size).reshape(-1)  # invalid: dropped
-                if out is None:  # shapes only (eval_shape)
-                    return reps
                 at = lambda o, r: o.at[rows, : r.shape[1]] if r.ndim > 1 else o.at[rows]
                 put = lambda o, r: at(o, r).set(r.astype(o.dtype), mode="drop")
                 return jax.tree.map(put, out, reps), None
 
-            if out is None:
-                shapes = [jax.eval_shape(functools.partial(turn, bucket=b), None, jnp.int32(0))
-                          for b in range(len(plan.rows))]  # fmt: skip
-                out = jax.tree.map(
-                    lambda r: jnp.zeros((plan.batch_size, *r.shape[1:]), r.dtype),
-                    plan.same_outputs(shapes, "encode"),
-                )
             out, _ = jax.lax.scan(turn, out, jnp.arange(-(-plan.batch_size // size)))
         return out
 
 
-def _token_outputs(shapes: list[PyTree], lengths: tuple[int, ...]) -> list[PyTree]:
-    """Each bucket's output shapes, leaves with a token axis (axis 1 is each bucket's
-    length) widened to the padded length ``lengths[-1]``, where their cache is."""
+def _token_leaves(shapes: list[PyTree], lengths: tuple[int, ...]) -> list[bool] | None:
+    """Which output leaves (in ``jax.tree.leaves`` order) have a token axis: axis 1 is
+    each bucket's length. None with one bucket, or where the buckets' outputs differ
+    in structure."""
     flat = [jax.tree.flatten(s) for s in shapes]
     if len(flat) < 2 or len({treedef for _, treedef in flat}) > 1:
-        return shapes  # one bucket: nothing trimmed; else same_outputs says what differs
+        return None
 
     def has_tokens(i):
         pairs = zip(flat, lengths, strict=True)
         return all(len(v[i].shape) > 1 and v[i].shape[1] == n for (v, _), n in pairs)
 
-    tokens = [has_tokens(i) for i in range(len(flat[0][0]))]
+    return [has_tokens(i) for i in range(len(flat[0][0]))]
+
+
+def _token_outputs(shapes: list[PyTree], lengths: tuple[int, ...]) -> list[PyTree]:
+    """Each bucket's output shapes, leaves with a token axis (axis 1 is each bucket's
+    length) widened to the padded length ``lengths[-1]``, where their cache is."""
+    tokens = _token_leaves(shapes, lengths)
+    if tokens is None:  # one bucket: nothing trimmed; else same_outputs says what differs
+        return shapes
+    flat = [jax.tree.flatten(s) for s in shapes]
     widen = lambda r: jax.ShapeDtypeStruct((r.shape[0], lengths[-1], *r.shape[2:]), r.dtype)
     return [
         treedef.unflatten([widen(r) if t else r for r, t in zip(v, tokens, strict=True)])

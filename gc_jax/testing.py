@@ -38,7 +38,9 @@ def _chunk_reps(encode, params, x, chunk_size, rng, index, trim=True):
 
 def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
     """Raises if an input's encoder gives other outputs for its token-budget chunks
-    trimmed to their bucket than at the padded length (same rows, no key)."""
+    trimmed to their bucket than at the padded length (same rows, no key). Outputs
+    with a token axis are compared up to the bucket's length, where the cache holds
+    them (past it the cache is zero and the loss must mask those tokens)."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
     sizes = _validation.per_input(chunk_size, n, "chunk_size", _plan.check)

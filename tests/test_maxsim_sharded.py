@@ -177,6 +177,25 @@ def test_cached_value_and_grad_chunked_encoder_and_train_step(chunk_size):
     chex.assert_trees_all_close(new, jax.tree.map(lambda p, g: p - 0.1 * g, params, want[1]), **TOL)
 
 
+def test_testing_reference_takes_token_outputs():
+    """``gc_jax.testing`` with a budget and token-vector outputs: the padded batch's
+    vectors past each row's bucket are cut as the cache holds them, so an exact
+    encoder passes (its padding vectors are nonzero) and one whose vectors see the
+    padding still fails the trimming check."""
+    params = make_params()
+    q, d = text_batch(12, "bimodal", 5), text_batch(12, "uniform", 6)
+    check = gc_jax.testing.assert_matches_full_batch
+    for rng in (None, jax.random.key(1)):
+        check(loss_fn, towers(), BUDGET, params, q, d, rng=rng, **TOL)
+
+    def sees_padding(p, batch, key):  # every position's vector moved by an unmasked mean
+        vectors, mask = towers()[1](p, batch, key)
+        return vectors + p["d"]["emb"][batch["input_ids"]].mean(1, keepdims=True), mask
+
+    with pytest.raises(AssertionError, match="trimmed to their bucket's length"):
+        check(loss_fn, [towers()[0], sees_padding], BUDGET, params, q, d, **TOL)
+
+
 def test_token_budget_caches_token_outputs_padded_with_zeros():
     """The cache of a [rows, len, dim] output is [B, L, dim]: the encoder's values up to
     the length of the bucket the row was encoded in, zero after it (a bucket's leftover

@@ -93,6 +93,12 @@ def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> j
 def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
     """``scale * x @ ys.T + bias`` accumulated in at least float32, without casting x or ys."""
     acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
+    if x.dtype == acc:
+        # Wide rows: scaled before the product, on [rows, dim], so the compiler need not
+        # keep the unscaled product as a second [rows, cols] buffer (XLA:CPU does:
+        # three B x B buffers for the dense InfoNCE step instead of two).
+        return jnp.matmul(x * scale, ys.T, preferred_element_type=acc) + bias
+    # Narrow rows are not rounded again by the scale: it multiplies the accumulated product.
     return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
 
 
