@@ -380,6 +380,23 @@ def test_spans_encode_the_fewest_tokens():
             )
 
 
+def test_the_compiled_plan_does_not_grow_with_the_buckets():
+    """The dynamic program's loops over the buckets are rolled under JAX: one loop
+    body whatever their number (compile time stays flat), and the same plan as NumPy."""
+    from gc_jax import _token_spans
+
+    def plan_ops(buckets):
+        rows = tuple(64 // n for n in buckets)
+        f = lambda b: _token_spans.spans(b, rows, buckets, jnp)
+        bucket = np.random.default_rng(0).integers(0, len(buckets), (2, 40))
+        got = jax.jit(f)(jnp.asarray(bucket))
+        for g, want in zip(got, _token_spans.spans(bucket, rows, buckets, np), strict=True):
+            np.testing.assert_array_equal(g, want)
+        return jax.jit(f).lower(jnp.asarray(bucket)).as_text().count("\n")
+
+    assert plan_ops((4, 8, 16)) == plan_ops((2, 4, 8, 16, 32, 64))
+
+
 def test_a_shorter_bucket_pads_its_last_chunk_when_that_is_cheaper():
     """11 short rows: one chunk of 12 x 4 tokens (a padding row) costs 48 tokens; moved up
     they would cost 6 x 8 plus two more chunks of 3 x 16. Exact, the padding row dropped."""
