@@ -212,11 +212,13 @@ def plot(results: list[dict], args, path: Path) -> None:
     import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    maxsim = any(r["loss"] == "maxsim" for r in results)
     for ax, (title, pick) in zip(axes, [
-        (f"fixed per-chip batch ({args.per_chip:,} rows per chip)",
-         lambda r: r["per_chip"] == args.per_chip),
+        (f"fixed per-chip batch ({args.per_chip:,} rows per chip"
+         + (f"; maxsim {args.maxsim_per_chip:,})" if maxsim else ")"),
+         lambda r: r["per_chip"] == setting(r["loss"], args)[0]),
         (f"fixed global batch ({args.global_batch:,} rows)",
-         lambda r: r["batch"] == args.global_batch),
+         lambda r: r["loss"] in PLAIN and r["batch"] == args.global_batch),
     ], strict=True):  # fmt: skip
         for loss in dict.fromkeys(r["loss"] for r in results):
             for method, style in (("gather", "--"), ("ring", "-")):
@@ -231,7 +233,10 @@ def plot(results: list[dict], args, path: Path) -> None:
         ax.set_xticks(chips, [str(c) for c in chips])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes[0].set_ylabel("per-chip temp memory (GiB), TPU compiler")
-    (axes[1] if axes[1].lines else axes[0]).legend(fontsize=7)
+    labelled = [ax for ax in axes if ax.get_legend_handles_labels()[0]]
+    labelled[-1].legend(fontsize=7)
+    for ax in axes:
+        ax.set_visible(ax in labelled)  # the new losses: no fixed-global-batch panel
     common.save_figure(fig, path, dpi=120)
 
 
