@@ -52,7 +52,6 @@ from flax import nnx
 import gc_jax
 from benchmarks import common
 from benchmarks.example_modules import dual_encoder, retrieval_data
-from gc_jax import _token_chunks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,9 +134,9 @@ def chunk_counts(chunk_size, batch) -> dict[tuple[int, int], int]:
         if rows % chunk_size:
             counts[rows % chunk_size, length] = 1
         return counts
-    plan = _token_chunks.make_plan(jax.tree.map(jnp.asarray, batch), chunk_size, "batch")
-    trips = np.asarray(plan.trips)
-    return {(r, n): int(t) for r, n, t in zip(plan.rows, plan.lengths, trips, strict=True)}
+    mask = np.asarray(batch["attention_mask"]) > 0  # the length: one past the last token
+    lengths = np.where(mask.any(1), length - np.argmax(mask[:, ::-1], axis=1), 0)
+    return chunk_size.chunk_counts(lengths, length)
 
 
 def chunk_flops(model, shape: tuple[int, int], cache: dict) -> float:

@@ -158,6 +158,45 @@ class TokenBudget:
         return tuple((min(self.tokens // n, rows), n) for n in self.bucket_lengths(padded_length))
 
 
+    def chunk_counts(self, lengths: Any, padded_length: int) -> dict[tuple[int, int], int]:
+        """``{(rows, tokens): chunks}``: the chunks of each shape the step encodes.
+
+        The plan the step makes under ``jit`` (each bucket's leftover rows move up or
+        fill a partial chunk, whichever encodes fewer tokens), computed here with
+        NumPy, e.g. to log the padded share of the tokens a batch encodes.
+
+        Args:
+          lengths: each row's length as the step reads it (one past the mask's last
+            nonzero position), ``[rows]``; or ``[devices, rows]``, each device's rows
+            under ``shard_map`` or a sharded ``jit`` (every device runs the most
+            chunks any device needs).
+          padded_length: the batch's padded length.
+
+        Examples:
+          >>> import gc_jax
+          >>> budget = gc_jax.TokenBudget(tokens=64, buckets=(8, 16))
+          >>> budget.chunk_counts([3, 5, 16, 2, 7, 12, 4, 8, 1, 6], padded_length=16)
+          {(8, 8): 1, (4, 16): 1}
+        """
+        array = np.asarray(lengths)
+        array = array[None] if array.ndim == 1 else array
+        if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(
+                f"TokenBudget.chunk_counts lengths must be integer row lengths [rows] or "
+                f"[devices, rows], got {array.dtype} of shape {np.shape(lengths)}."
+            )
+        if array.min() < 0 or array.max() > padded_length:
+            raise ValueError(
+                f"TokenBudget.chunk_counts lengths run from {array.min()} to {array.max()}, "
+                f"outside [0, padded_length={padded_length}]."
+            )
+        shapes = self.chunk_shapes(padded_length, array.shape[1])
+        rows, sizes = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
+        bucket = _token_spans.bucket_of(array, sizes, np)
+        _, _, chunks = _token_spans.spans(bucket, rows, sizes, np)
+        return {shape: int(c) for shape, c in zip(shapes, chunks.max(axis=0), strict=True)}
+
+
 def _positive(name: str, value: Any) -> None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
         raise TypeError(f"TokenBudget {name} must be a positive int, got {value!r}.")

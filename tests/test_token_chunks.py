@@ -397,6 +397,32 @@ def test_the_compiled_plan_does_not_grow_with_the_buckets():
     assert plan_ops((4, 8, 16)) == plan_ops((2, 4, 8, 16, 32, 64))
 
 
+def test_chunk_counts_are_the_plan_the_step_makes():
+    """``TokenBudget.chunk_counts`` (NumPy) gives the traced plan's chunks per shape, for
+    one device and per device (the most any device needs)."""
+    from gc_jax import _token_chunks
+
+    def planned(batch):  # the traced plan of one device's rows
+        plan = _token_chunks.make_plan(batch, budget, "batch")
+        shapes = zip(plan.rows, plan.lengths, strict=True)
+        return dict(zip(shapes, map(int, plan.trips), strict=True))
+
+    budget = gc_jax.TokenBudget(48, BUCKETS)
+    for kind, seed in [("bimodal", 31), ("uniform", 32), ("short", 33)]:
+        batch = text_batch(24, kind, seed)
+        mask = np.asarray(batch["attention_mask"])
+        lengths = np.where(mask.any(1), PADDED - np.argmax(mask[:, ::-1] > 0, axis=1), 0)
+        assert budget.chunk_counts(lengths, PADDED) == planned(batch), kind
+        shards = [jax.tree.map(lambda x, i=i: x[i * 6 : (i + 1) * 6], batch) for i in range(4)]
+        per_device = [planned(b) for b in shards]
+        want = {shape: max(p[shape] for p in per_device) for shape in per_device[0]}
+        assert budget.chunk_counts(lengths.reshape(4, 6), PADDED) == want, kind
+    with pytest.raises(ValueError, match="lengths run from 0 to 17, outside"):
+        budget.chunk_counts([0, 17], PADDED)
+    with pytest.raises(ValueError, match="must be integer row lengths"):
+        budget.chunk_counts([1.5], PADDED)
+
+
 def test_a_shorter_bucket_pads_its_last_chunk_when_that_is_cheaper():
     """11 short rows: one chunk of 12 x 4 tokens (a padding row) costs 48 tokens; moved up
     they would cost 6 x 8 plus two more chunks of 3 x 16. Exact, the padding row dropped."""
