@@ -157,7 +157,6 @@ class TokenBudget:
             )
         return tuple((min(self.tokens // n, rows), n) for n in self.bucket_lengths(padded_length))
 
-
     def chunk_counts(self, lengths: Any, padded_length: int) -> dict[tuple[int, int], int]:
         """``{(rows, tokens): chunks}``: the chunks of each shape the step encodes.
 
@@ -178,18 +177,8 @@ class TokenBudget:
           >>> budget.chunk_counts([3, 5, 16, 2, 7, 12, 4, 8, 1, 6], padded_length=16)
           {(8, 8): 1, (4, 16): 1}
         """
-        array = np.asarray(lengths)
-        array = array[None] if array.ndim == 1 else array
-        if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(
-                f"TokenBudget.chunk_counts lengths must be integer row lengths [rows] or "
-                f"[devices, rows], got {array.dtype} of shape {np.shape(lengths)}."
-            )
-        if array.min() < 0 or array.max() > padded_length:
-            raise ValueError(
-                f"TokenBudget.chunk_counts lengths run from {array.min()} to {array.max()}, "
-                f"outside [0, padded_length={padded_length}]."
-            )
+        what = "TokenBudget.chunk_counts lengths"
+        array = _token_spans.checked_lengths(lengths, padded_length, what, "devices")
         shapes = self.chunk_shapes(padded_length, array.shape[1])
         rows, sizes = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
         bucket = _token_spans.bucket_of(array, sizes, np)

@@ -187,17 +187,23 @@ def checked_sample(sample: Any, padded_length: Any, max_buckets: Any, multiple: 
         raise ValueError(
             f"TokenBudget.for_lengths min_saving must be a share in [0, 1), got {min_saving!r}."
         )
-    array = np.asarray(sample)
+    return checked_lengths(sample, padded_length, "TokenBudget.for_lengths sample", "batches")
+
+
+def checked_lengths(lengths: Any, padded_length: int, what: str, leading: str) -> np.ndarray:
+    """``lengths`` as ``int[leading, rows]`` within ``[0, padded_length]``, or raises
+    naming ``what`` (the method and its argument)."""
+    array = np.asarray(lengths)
     array = array[None] if array.ndim == 1 else array
     if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(
-            f"TokenBudget.for_lengths sample must be integer row lengths [rows] or [batches, "
-            f"rows], e.g. mask.sum(-1), got {array.dtype} of shape {np.shape(sample)}."
+            f"{what} must be integer row lengths [rows] or [{leading}, rows], e.g. "
+            f"mask.sum(-1), got {array.dtype} of shape {np.shape(lengths)}."
         )
     if array.min() < 0 or array.max() > padded_length:
         raise ValueError(
-            f"TokenBudget.for_lengths sample has lengths from {array.min()} to {array.max()}, "
-            f"outside [0, padded_length={padded_length}]; pass each row's tokens (padding "
-            "excluded) and the batches' padded length."
+            f"{what} has lengths from {array.min()} to {array.max()}, outside [0, "
+            f"padded_length={padded_length}]; pass each row's tokens (padding excluded) "
+            "and the batch's padded length."
         )
     return array
