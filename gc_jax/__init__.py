@@ -7,6 +7,7 @@ memory at a time (Gao et al., 2021), as pure, jittable functions.
 from gc_jax import cachex
 from gc_jax import functional
 from gc_jax import losses
+from gc_jax import packing
 from gc_jax import testing
 from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
@@ -20,6 +21,7 @@ from gc_jax._grad_cache import GradCache
 from gc_jax._keras import keras_encoder
 from gc_jax._loss_scale import DynamicLossScale
 from gc_jax._token_budget import TokenBudget
+from gc_jax._token_packing import TokenPacking
 from gc_jax._train_step import make_train_step
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __all__ = [
     "DynamicLossScale",
     "GradCache",
     "TokenBudget",
+    "TokenPacking",
     "cached_value_and_grad",
     "cachex",
     "chunked_encoder",
@@ -41,5 +44,6 @@ __all__ = [
     "losses",
     "make_train_step",
     "nnx_encoder",
+    "packing",
     "testing",
 ]

@@ -174,8 +174,9 @@ def _candidate(value: Any, i: int) -> int | tuple[int, ...]:
         )
     if _plan.by_tokens(value):
         raise TypeError(
-            f"candidates[{i}] is a gc_jax.TokenBudget; largest_chunk_size orders candidates "
-            "by rows, so pass chunk sizes in rows: positive ints, or tuples of them per input."
+            f"candidates[{i}] is a gc_jax.{type(value).__name__}; largest_chunk_size orders "
+            "candidates by rows, so pass chunk sizes in rows: positive ints, or tuples of "
+            "them per input."
         )
     return _validation.positive_int(value, f"candidates[{i}]")
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from gc_jax import _distributed, _passes, _plan, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._token_budget import TokenBudget
+from gc_jax._plan import ChunkSize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ def _hoisted(config: _Config, params: PyTree, batch: PyTree, key) -> tuple[_Conf
 
 def chunked_encoder(
     encode: Encoder,
-    chunk_size: int | TokenBudget,
+    chunk_size: ChunkSize,
     *,
     policy: Callable[..., bool] | None = None,
     batch_axis: AxisName | None = None,
@@ -187,7 +187,8 @@ def chunked_encoder(
         (ids, masks) are returned as they are and get no gradient.
       chunk_size: rows encoded at once. Under ``jit`` with a sharded batch (explicit
         mesh axes, or ``batch_axis``) it counts rows per device; inside
-        ``shard_map``/``pmap`` it counts this device's rows.
+        ``shard_map``/``pmap`` it counts this device's rows. A
+        :class:`gc_jax.TokenBudget` or :class:`gc_jax.TokenPacking` counts tokens.
       policy: a ``jax.checkpoint`` policy (``jax.checkpoint_policies``) applied to
         each chunk's re-encoding in the backward pass, to keep even less than one
         chunk's activations; None keeps them all (one chunk's worth).

@@ -57,6 +57,8 @@ class ChunkPlan(NamedTuple):
     tail_size: int
     layout: _layout.Layout = _layout.SINGLE
 
+    rows_hint = ""
+
     @property
     def num_chunks(self) -> int:
         return self.num_body + 1

@@ -32,7 +32,7 @@ from jax.typing import DTypeLike
 
 from gc_jax import _flax, _plan, _validation, _value_and_grad
 from gc_jax._base import AxisName, PyTree
-from gc_jax._token_budget import TokenBudget
+from gc_jax._plan import ChunkSize
 
 
 def _is_array_tree(value: Any) -> bool:
@@ -111,7 +111,8 @@ class GradCache:
         the shared weights twice, and fails on the missing leaves).
       chunk_sizes: rows encoded at once, one int for all models or one per model; or
         a :class:`gc_jax.TokenBudget` (chunks of at most that many tokens, rows
-        grouped by length and trimmed to a bucket), for all models or per model.
+        grouped by length and trimmed to a bucket) or :class:`gc_jax.TokenPacking`
+        (rows packed into lines), for all models or per model.
       loss_fn: ``loss_fn(*reps, **loss_kwargs)``, the scalar loss of the whole
         batch's representations, one per model (``(loss, aux)`` with ``has_aux``).
         Under ``axis_name`` it must return the global loss with the gradient of
@@ -174,7 +175,7 @@ class GradCache:
     def __init__(
         self,
         models: nnx.Module | Sequence[nnx.Module],
-        chunk_sizes: int | TokenBudget | Sequence[int | TokenBudget],
+        chunk_sizes: ChunkSize | Sequence[ChunkSize],
         loss_fn: Callable[..., Any],
         split_input_fn: Callable[[PyTree, int], list[PyTree]] | None = None,
         get_rep_fn: Callable[[Any], PyTree] | None = None,
@@ -196,9 +197,9 @@ class GradCache:
         budgets = [i for i, c in enumerate(self.chunk_sizes) if _plan.by_tokens(c)]
         if split_input_fn is not None and budgets:
             raise ValueError(
-                f"chunk_sizes[{budgets[0]}] is a TokenBudget, which cuts chunks by tokens, but "
-                "split_input_fn cuts them by rows; pass one or the other (drop "
-                "split_input_fn: the budget already groups rows by length)."
+                f"chunk_sizes[{budgets[0]}] is a {type(self.chunk_sizes[budgets[0]]).__name__}, "
+                "which cuts chunks by tokens, but split_input_fn cuts them by rows; pass one "
+                "or the other (drop split_input_fn: the budget already groups rows by length)."
             )
         self.loss_fn = _validation.callable_arg(loss_fn, "loss_fn")
         for name, fn in (("split_input_fn", split_input_fn), ("get_rep_fn", get_rep_fn)):

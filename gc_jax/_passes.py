@@ -149,7 +149,9 @@ def _encoder(
         else:
             reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
             reps = jax.tree.map(inp.plan.layout.rows_split, reps)
-        _validation.rows(reps, inp.plan.num_shards * inp.plan.rows_of(c), inp.name)
+        _validation.rows(
+            reps, inp.plan.num_shards * inp.plan.rows_of(c), inp.name, inp.plan.rows_hint
+        )
         return reps
 
     return f

@@ -1,8 +1,10 @@
 """The chunk plan: how one input's batch is cut into chunks, one protocol for every kind.
 
-Two kinds of plan implement :class:`Plan`: chunks of rows
-(``gc_jax._chunking.ChunkPlan``, from an int ``chunk_size``) and chunks cut by a token
-budget (``gc_jax._token_chunks.TokenPlan``, from a :class:`gc_jax.TokenBudget`). This
+Three kinds of plan implement :class:`Plan`: chunks of rows
+(``gc_jax._chunking.ChunkPlan``, from an int ``chunk_size``), chunks cut by a token
+budget (``gc_jax._token_chunks.TokenPlan``, from a :class:`gc_jax.TokenBudget`) and
+rows packed into lines (``gc_jax._packed_chunks.PackPlan``, from a
+:class:`gc_jax.TokenPacking`). This
 module is the one place that tells the kinds apart: it checks ``chunk_size``
 (:func:`check`), says whether the data decides the number of chunks
 (:func:`by_tokens`), and :func:`make` plans a batch: its layout across devices, its
@@ -17,12 +19,13 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from gc_jax import _chunking, _keys, _layout, _token_chunks, _validation
+from gc_jax import _chunking, _keys, _layout, _packed_chunks, _token_chunks, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
 from gc_jax._token_budget import TokenBudget
+from gc_jax._token_packing import TokenPacking
 
-ChunkSize = int | TokenBudget
-"""What ``chunk_size`` takes: rows per chunk, or a token budget."""
+ChunkSize = int | TokenBudget | TokenPacking
+"""What ``chunk_size`` takes: rows per chunk, a token budget, or a token packing."""
 
 
 class Plan(Protocol):
@@ -38,11 +41,14 @@ class Plan(Protocol):
       layout: how the rows lie across devices (``gc_jax._layout.Layout``).
       num_chunks: the number of chunks when it is known at trace time, else None (the
         data decides it: pass 1 then keeps no chunk's VJP).
+      rows_hint: added to the error of an encoder that returns other than
+        :meth:`rows_of` rows.
     """
 
     batch_size: int
     num_shards: int
     layout: _layout.Layout
+    rows_hint: str
 
     @property
     def num_chunks(self) -> int | None: ...
@@ -94,7 +100,8 @@ class Planned(NamedTuple):
 
 
 def check(value: Any, name: str) -> ChunkSize:
-    """A ``chunk_size``: a positive int (rows) or a :class:`gc_jax.TokenBudget`."""
+    """A ``chunk_size``: a positive int (rows), a :class:`gc_jax.TokenBudget` or a
+    :class:`gc_jax.TokenPacking`."""
     return value if by_tokens(value) else _validation.positive_int(value, name)
 
 
@@ -103,17 +110,18 @@ def check_all(value: Any) -> ChunkSize | tuple[ChunkSize, ...]:
     if isinstance(value, Sequence) and not isinstance(value, str):
         if not value:
             raise ValueError(
-                "chunk_size is an empty sequence; expected one positive int (or TokenBudget) "
-                "per input."
+                "chunk_size is an empty sequence; expected one positive int (or TokenBudget, "
+                "TokenPacking) per input."
             )
         return tuple(check(v, f"chunk_size[{i}]") for i, v in enumerate(value))
     return check(value, "chunk_size")
 
 
 def by_tokens(chunk_size: Any) -> bool:
-    """Whether ``chunk_size`` cuts chunks by a token budget: rows trimmed of padding, and
-    a number of chunks the data decides (pass 2 then cannot be differentiated again)."""
-    return isinstance(chunk_size, TokenBudget)
+    """Whether ``chunk_size`` cuts chunks by tokens (a budget or a packing): rows trimmed
+    of padding, and a number of chunks the data decides (pass 2 then cannot be
+    differentiated again)."""
+    return isinstance(chunk_size, TokenBudget | TokenPacking)
 
 
 def make(
@@ -145,7 +153,9 @@ def make(
     layout = _layout.SINGLE
     if not one_device:
         batch, layout = _layout.layout_of(batch, axis_name, batch_axis, name)
-    if by_tokens(chunk_size):
+    if isinstance(chunk_size, TokenPacking):
+        plan = _packed_chunks.make_plan(batch, chunk_size, name, layout)
+    elif by_tokens(chunk_size):
         plan = _token_chunks.make_plan(batch, chunk_size, name, layout)
     else:
         plan = _chunking.make_plan(rows, chunk_size, layout)

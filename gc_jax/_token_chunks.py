@@ -63,6 +63,7 @@ class TokenPlan(NamedTuple):
     layout: _layout.Layout = _layout.SINGLE
 
     num_chunks = None  # known only from the data: pass 1 keeps no chunk's VJP
+    rows_hint = ""
 
     def loops(
         self, keep_tail: bool = False
@@ -118,14 +119,7 @@ class TokenPlan(NamedTuple):
 
     def take_cotangent(self, tree: PyTree, index: BucketChunk) -> PyTree:
         """The chunk's rows of a representation gradient; zero on padding rows."""
-        rows, valid = self.where(index)
-        valid = valid.reshape(-1)
-
-        def one(g):
-            piece = _gather(g, rows, self.num_shards)
-            return jnp.where(valid.reshape(-1, *[1] * (g.ndim - 1)), piece, jnp.zeros_like(piece))
-
-        return jax.tree.map(one, tree)
+        return take_rows(tree, *self.where(index), self.num_shards)
 
     def put(self, buffer: PyTree, chunk: PyTree, index: BucketChunk) -> PyTree:
         """Writes the chunk's real rows (not its padding rows) into ``buffer``, in place.
@@ -133,29 +127,7 @@ class TokenPlan(NamedTuple):
         A chunk leaf shorter than its buffer along axis 1 (a trimmed sequence leaf)
         fills the leading positions.
         """
-        rows, valid = self.where(index)
-        rows = jnp.where(valid, rows, self.batch_size // self.num_shards)  # dropped
-        shard = jnp.zeros_like(rows) + jnp.arange(self.num_shards)[:, None]  # typed as rows
-        reshape = self.layout.reshape  # the shards stay split over the devices
-
-        def write(buf, piece):
-            bufs = reshape(buf, (self.num_shards, buf.shape[0] // self.num_shards, *buf.shape[1:]))
-            piece = reshape(piece, (*rows.shape, *piece.shape[1:]))
-            out = self.layout.shards_sharding  # explicit axes: say it (JAX cannot infer it)
-            if piece.ndim >= 3 and piece.shape[2] != bufs.shape[2]:
-                at = bufs.at[shard, rows, : piece.shape[2]]
-            else:
-                at = bufs.at[shard, rows]
-            bufs = at.set(piece, mode="drop", out_sharding=out)
-            return reshape(bufs, buf.shape)
-
-        def one(buf, piece):
-            piece = piece.astype(buf.dtype)
-            if _narrow.is_narrow(buf):  # in place on CPU too (see gc_jax._narrow)
-                return _narrow.on_cpu_as_bits(write, buf, piece)
-            return write(buf, piece)
-
-        return jax.tree.map(one, buffer, chunk)
+        return put_rows(buffer, chunk, *self.where(index), self)
 
     def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
         """Checks that every bucket's chunk gives outputs of one kind; returns the first.
@@ -249,6 +221,45 @@ def _token_outputs(shapes: list[PyTree], lengths: tuple[int, ...]) -> list[PyTre
     ]
 
 
+def take_rows(tree: PyTree, rows: jax.Array, valid: jax.Array, num_shards: int) -> PyTree:
+    """Rows ``rows[s]`` of each shard ``s`` of every leaf, zero where not ``valid``."""
+    valid = valid.reshape(-1)
+
+    def one(g):
+        piece = _gather(g, rows, num_shards)
+        return jnp.where(valid.reshape(-1, *[1] * (g.ndim - 1)), piece, jnp.zeros_like(piece))
+
+    return jax.tree.map(one, tree)
+
+
+def put_rows(buffer: PyTree, chunk: PyTree, rows: jax.Array, valid: jax.Array, plan) -> PyTree:
+    """``buffer`` with the chunk's rows written at ``rows[s]`` of each shard ``s`` (of
+    ``plan.num_shards``), in place; rows not ``valid`` are dropped. A chunk leaf shorter
+    than its buffer along axis 1 fills the leading positions."""
+    num_shards, layout = plan.num_shards, plan.layout
+    rows = jnp.where(valid, rows, plan.batch_size // num_shards)  # dropped
+    shard = jnp.zeros_like(rows) + jnp.arange(num_shards)[:, None]  # typed as rows
+
+    def write(buf, piece):
+        bufs = layout.reshape(buf, (num_shards, buf.shape[0] // num_shards, *buf.shape[1:]))
+        piece = layout.reshape(piece, (*rows.shape, *piece.shape[1:]))
+        out = layout.shards_sharding  # explicit axes: say it (JAX cannot infer it)
+        if piece.ndim >= 3 and piece.shape[2] != bufs.shape[2]:
+            at = bufs.at[shard, rows, : piece.shape[2]]
+        else:
+            at = bufs.at[shard, rows]
+        bufs = at.set(piece, mode="drop", out_sharding=out)
+        return layout.reshape(bufs, buf.shape)
+
+    def one(buf, piece):
+        piece = piece.astype(buf.dtype)
+        if _narrow.is_narrow(buf):  # in place on CPU too (see gc_jax._narrow)
+            return _narrow.on_cpu_as_bits(write, buf, piece)
+        return write(buf, piece)
+
+    return jax.tree.map(one, buffer, chunk)
+
+
 def _gather(x: jax.Array, rows: jax.Array, num_shards: int) -> jax.Array:
     """Rows ``rows[s]`` of each shard ``s`` of ``x``, as one ``[S * rows, ...]`` array."""
     xs = x.reshape(num_shards, -1, *x.shape[1:])
@@ -314,9 +325,7 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str,
     num_shards = layout.array_shards
     batch_size = jax.tree.leaves(batch)[0].shape[0]
     padded = padded_length(batch, budget, name)
-    _warn_float_columns(
-        batch, padded, name, budget.lengths if isinstance(budget.lengths, str) else _MASK
-    )
+    warn_float_columns(batch, padded, name, budget)
     shapes = budget.chunk_shapes(padded, batch_size // num_shards)
     rows, lengths = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
     length = row_lengths(batch, budget, name).reshape(num_shards, -1)
@@ -328,16 +337,19 @@ def make_plan(batch: PyTree, budget: TokenBudget, name: str,
                      layout)  # fmt: skip
 
 
-def _warn_float_columns(batch: PyTree, padded: int, name: str, mask: str) -> None:
-    """Warns about float ``[rows, padded]`` leaves (but the mask): trimmed like tokens,
-    which is wrong for a dense feature that merely has ``padded`` columns."""
+def warn_float_columns(batch: PyTree, padded: int, name: str, chunking: Any) -> None:
+    """Warns about float ``[rows, padded]`` leaves (but the mask): trimmed like tokens by
+    a ``TokenBudget`` or ``TokenPacking``, which is wrong for a dense feature that
+    merely has ``padded`` columns."""
+    mask = chunking.lengths if isinstance(chunking.lengths, str) else _MASK
+    kind = type(chunking).__name__
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if jax.tree_util.keystr(path) == f"[{mask!r}]":
             continue
         if x.ndim == 2 and x.shape[1] == padded and jnp.issubdtype(x.dtype, jnp.floating):
             warnings.warn(
                 f"{name}{jax.tree_util.keystr(path)} is a float [rows, {padded}] leaf: the "
-                f"TokenBudget trims it to each bucket's length like token ids, as a "
+                f"{kind} cuts it to each row's tokens like token ids, as a "
                 "per-token feature. If it is a dense feature of that width, the trim drops "
                 "columns and gradient caching is not exact: reshape it (e.g. [rows, 1, "
                 f"{padded}]) or pass it outside the token batch.",

@@ -31,7 +31,7 @@ from jax.typing import DTypeLike
 from gc_jax import _loss_scale, _optimizer_update, _validation
 from gc_jax._base import AxisName, Encoder
 from gc_jax._loss_scale import DynamicLossScale
-from gc_jax._token_budget import TokenBudget
+from gc_jax._plan import ChunkSize
 from gc_jax._value_and_grad import cached_value_and_grad
 
 TrainState = flax_train_state.TrainState
@@ -127,7 +127,7 @@ def _check_settings(loss_scale, skip_nonfinite, growth_interval, check_finite):
 def make_train_step(
     loss_fn: Callable[..., Any],
     encoders: Encoder | Sequence[Encoder],
-    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
+    chunk_size: ChunkSize | Sequence[ChunkSize],
     *,
     optimizer: optax.GradientTransformation | optax.MultiSteps | None = None,
     has_aux: bool = False,
@@ -165,7 +165,8 @@ def make_train_step(
         ``(loss, aux)`` with ``has_aux``).
       encoders: ``encode(params, chunk, key) -> reps``, one for all inputs or one
         per input.
-      chunk_size: rows encoded at once, for all inputs or one per input.
+      chunk_size: rows encoded at once, for all inputs or one per input; or a
+        :class:`gc_jax.TokenBudget` or :class:`gc_jax.TokenPacking` (tokens).
       optimizer: None to train a ``flax.training.train_state.TrainState`` (its
         ``tx`` is used); or an optax ``GradientTransformation``, an
         ``optax.MultiSteps`` (gradient accumulation over ``k`` steps) or its

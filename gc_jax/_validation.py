@@ -104,8 +104,8 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def rows(tree: PyTree, expected: int, name: str) -> None:
-    """Checks that an encoder returned one row per input row."""
+def rows(tree: PyTree, expected: int, name: str, hint: str = "") -> None:
+    """Checks that an encoder returned one row per input row (``hint`` ends the error)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not leaves:
         raise ValueError(
@@ -124,7 +124,7 @@ def rows(tree: PyTree, expected: int, name: str) -> None:
             raise ValueError(
                 f"{name} returned {where} with shape {shape} for a chunk of {expected} rows; "
                 f"an encoder must return one representation row per input row (leading "
-                f"axis {expected})."
+                f"axis {expected}){hint}."
             )
 
 

@@ -33,7 +33,7 @@ from jax.typing import DTypeLike
 
 from gc_jax import _distributed, _layout, _loss_scale, _passes, _plan, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._token_budget import TokenBudget
+from gc_jax._plan import ChunkSize
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
 _OWN_KEYWORDS = ("rng", "loss_scale")
@@ -168,7 +168,7 @@ def _loss_and_rep_grads(loss_fn, has_aux, params, reps, scale, axis_name, inputs
 def cached_value_and_grad(
     loss_fn: Callable[..., Any],
     encoders: Encoder | Sequence[Encoder],
-    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
+    chunk_size: ChunkSize | Sequence[ChunkSize],
     *,
     has_aux: bool = False,
     axis_name: AxisName | None = None,
@@ -189,7 +189,9 @@ def cached_value_and_grad(
       chunk_size: rows encoded at once, for all inputs or one per input. Under
         ``pmap``/``shard_map`` it counts rows per device; under ``jit`` with a sharded
         batch (explicit mesh axes, or ``batch_axis``) it also counts rows per device:
-        every device encodes its own ``chunk_size`` rows of every chunk at once.
+        every device encodes its own ``chunk_size`` rows of every chunk at once. A
+        :class:`gc_jax.TokenBudget` or :class:`gc_jax.TokenPacking` counts tokens
+        instead (batches of padded token sequences).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       axis_name: the data-parallel axis under ``pmap``/``shard_map``, or None.
       batch_axis: under plain ``jit`` with *auto* mesh axes, the mesh axes the batch

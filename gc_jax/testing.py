@@ -2,8 +2,8 @@
 
 Gradient caching is exact when every row's representation depends only on that row
 (and the chunk's key). Models with cross-example state (BatchNorm in training mode,
-in-batch statistics, sequence packing across rows) are not: their chunks see
-different batches. Run :func:`assert_matches_full_batch` once on a small batch to
+in-batch statistics, attention across the rows of a packed line) are not: their
+chunks see different batches. Run :func:`assert_matches_full_batch` once on a small batch to
 find out before training.
 """
 
@@ -17,7 +17,8 @@ import jax
 
 from gc_jax import _plan, _validation
 from gc_jax._base import PyTree
-from gc_jax._token_budget import TokenBudget
+from gc_jax._plan import ChunkSize
+from gc_jax._token_packing import TokenPacking
 
 
 def _full_batch_reps(encode, params, x, chunk_size, rng, index):
@@ -38,14 +39,15 @@ def _chunk_reps(encode, params, x, chunk_size, rng, index, trim=True):
 
 def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
     """Raises if an input's encoder gives other outputs for its token-budget chunks
-    trimmed to their bucket than at the padded length (same rows, no key). Outputs
+    trimmed to their bucket than at the padded length (same rows, no key), or for its
+    packed chunks than for the batch unpacked. Outputs
     with a token axis are compared up to the bucket's length, where the cache holds
     them (past it the cache is zero and the loss must mask those tokens)."""
     n = len(inputs)
     encs = _validation.per_input(encoders, n, "encoders", lambda e, _: e)
     sizes = _validation.per_input(chunk_size, n, "chunk_size", _plan.check)
     for i, (e, x, s) in enumerate(zip(encs, inputs, sizes, strict=True)):
-        if not _plan.by_tokens(s):  # only token budgets trim rows
+        if not _plan.by_tokens(s):  # only token budgets and packings trim rows
             continue
         both = jax.jit(lambda p, x, e=e, s=s, i=i: [
             _chunk_reps(e, p, x, s, None, i, trim) for trim in (True, False)
@@ -54,6 +56,15 @@ def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
         try:
             chex.assert_trees_all_close(trimmed, padded, rtol=rtol, atol=atol)
         except AssertionError as err:
+            if isinstance(s, TokenPacking):
+                raise AssertionError(
+                    f"encoders[{i}] gives other outputs for the TokenPacking's packed chunks "
+                    f"of inputs[{i}] than for the batch unpacked: a token must attend only "
+                    "to its own row (gc_jax.packing.attention_mask), count its position in "
+                    "its row (gc_jax.packing.positions) and each row be pooled on its own "
+                    "(gc_jax.packing.mean_pool or first_token), so gradient caching with "
+                    f"this packing is not exact. Details: {err}"
+                ) from err
             raise AssertionError(
                 f"encoders[{i}] gives other outputs for the TokenBudget's chunks of "
                 f"inputs[{i}] trimmed to their bucket's length than at the padded length: "
@@ -66,7 +77,7 @@ def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
 def full_batch_value_and_grad(
     loss_fn: Callable[..., Any],
     encoders: Callable | Sequence[Callable],
-    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
+    chunk_size: ChunkSize | Sequence[ChunkSize],
     *,
     has_aux: bool = False,
 ) -> Callable[..., Any]:
@@ -79,7 +90,8 @@ def full_batch_value_and_grad(
 
     Without ``rng``, every input is encoded whole, at its padded length: with a
     :class:`gc_jax.TokenBudget`, this also checks that trimming a chunk to its
-    bucket's length does not change the encoder's outputs. With ``rng``, each row is
+    bucket's length does not change the encoder's outputs (with a
+    :class:`gc_jax.TokenPacking`, that packing does not). With ``rng``, each row is
     encoded in the chunk, trimmed as gc_jax cuts it, with that chunk's key, so that
     dropout draws the same masks (every chunk the budget could cut is encoded: meant
     for small batches).
@@ -114,7 +126,7 @@ def full_batch_value_and_grad(
 def assert_matches_full_batch(
     loss_fn: Callable[..., Any],
     encoders: Callable | Sequence[Callable],
-    chunk_size: int | TokenBudget | Sequence[int | TokenBudget],
+    chunk_size: ChunkSize | Sequence[ChunkSize],
     params: PyTree,
     *inputs: PyTree,
     rng: jax.Array | None = None,

@@ -1,0 +1,251 @@
+"""Chunks cut by a :class:`gc_jax.TokenPacking`: rows packed into lines of one shape.
+
+Under ``jax.jit`` the lengths are traced data. Each shard's rows are sorted longest
+first (a stable ``argsort``) and packed *next-fit* by one ``lax.scan`` over them: a
+line takes rows until the next does not fit or it holds ``segments`` rows. A line's
+rows are therefore consecutive in that order, and a plan is a few ``[rows]`` arrays:
+the order, the sorted lengths, their running sum and where each line starts. Chunk
+``c`` holds lines ``c * lines .. (c + 1) * lines - 1``; their token gather is computed
+when the chunk is taken. The number of chunks is traced, so the passes run one loop
+with a traced trip count (as for a ``TokenBudget``). The cache stays in the batch's
+order; an output row per *slot* (a line's ``k``-th row) is written to its row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gc_jax import _keys, _layout, _token_chunks
+from gc_jax._base import PyTree
+from gc_jax._token_packing import TokenPacking
+
+SEGMENT_IDS, POSITION_IDS, SEGMENT_STARTS = "segment_ids", "position_ids", "segment_starts"
+
+
+class Lines(NamedTuple):
+    """Where chunk ``c``'s lines take their tokens and rows (one shard; traced)."""
+
+    rows: jax.Array  # [lines, segments]: each slot's row in the batch (within the shard)
+    valid: jax.Array  # [lines, segments]: which slots hold a row
+    starts: jax.Array  # [lines, segments]: where each slot's row starts in its line
+    source: jax.Array  # [lines, L]: each token's place in the shard's [rows * L] tokens
+    segment: jax.Array  # [lines, L]: k + 1 on the k-th slot's tokens, 0 on padding
+    position: jax.Array  # [lines, L]: each token's position in its row
+
+
+class PackPlan(NamedTuple):
+    """How one batch is packed (a :class:`gc_jax._plan.Plan`; the arrays are traced).
+
+    Attributes:
+      batch_size: total rows ``B``.
+      num_shards: contiguous shards the rows are spread over (devices, under jit);
+        each is packed on its own.
+      padded: the batch's padded length ``L`` (the line length).
+      lines: lines per shard of every chunk.
+      segments: slots per line.
+      order: ``[S, B / S]``: each shard's rows, longest first.
+      sizes: ``[S, B / S]``: their lengths (at least 1) in that order.
+      before: ``[S, B / S + 1]``: the tokens of the rows before each, in that order.
+      first: ``[S, B / S + 1]``: where each line starts in the order (``B / S`` past
+        the last line).
+      used: ``[S]``: lines of each shard.
+      trips: chunks (the most any shard needs).
+      layout: how the rows lie across devices (``gc_jax._layout.Layout``).
+    """
+
+    batch_size: int
+    num_shards: int
+    padded: int
+    lines: int
+    segments: int
+    order: jax.Array
+    sizes: jax.Array
+    before: jax.Array
+    first: jax.Array
+    used: jax.Array
+    trips: jax.Array
+    layout: _layout.Layout = _layout.SINGLE
+
+    num_chunks = None  # known only from the data: pass 1 keeps no chunk's VJP
+    rows_hint = (
+        "; with a TokenPacking the encoder returns one row per slot, [lines * segments, "
+        "...] (see gc_jax.packing.mean_pool)"
+    )
+
+    def loops(self, keep_tail: bool = False) -> list:
+        """One loop over the chunks: ``(index of turn j, traced number of turns)``."""
+        del keep_tail  # no chunk is kept (num_chunks is None)
+        return [(lambda j: j, self.trips)]
+
+    def has_tail(self, keep_tail: bool = False) -> bool:
+        return False
+
+    def pack(self, batch: PyTree, wrt: tuple[bool, ...]) -> PyTree:
+        if any(wrt):
+            raise ValueError(
+                "a TokenPacking batch cannot be differentiated (its leaves are packed "
+                "token by token); differentiate the parameters only, or pass an int "
+                "chunk_size or a gc_jax.TokenBudget for this input."
+            )
+        return batch
+
+    def samples(self) -> list:
+        return [0]
+
+    def number(self, index: Any) -> Any:
+        """The chunk's number in the batch (its key is ``fold_in(rng, number)``)."""
+        return index
+
+    def rows_of(self, index: Any) -> int:
+        """Output rows per shard of a chunk: one per slot."""
+        return self.lines * self.segments
+
+    def where(self, index: Any) -> Lines:
+        """Chunk ``index``'s lines, each shard's (leading axis: shards)."""
+        return jax.vmap(self._lines, in_axes=(None, 0, 0, 0, 0, 0))(
+            index, self.order, self.sizes, self.before, self.first, self.used
+        )
+
+    def _lines(self, index, order, sizes, before, first, used) -> Lines:
+        n, length = order.shape[0], self.padded
+        line = index * self.lines + jnp.arange(self.lines)
+        real = line < used
+        # A line past the data repeats the last line, whose slots are not written (so no
+        # line is empty, whose pooled output, normalised, has a NaN gradient).
+        line = jnp.minimum(line, used - 1)
+        start, end = first[line], first[line + 1]
+        at = start[:, None] + jnp.arange(self.segments)  # [lines, segments]
+        filled = at < end[:, None]
+        valid = filled & real[:, None]
+        at = jnp.minimum(at, n - 1)
+        offset = jnp.where(filled, before[at] - before[start][:, None], length)
+        tokens = jnp.arange(length)
+        slot = jnp.sum(offset[:, None, :] <= tokens[None, :, None], axis=-1) - 1  # [lines, L]
+        slot = jnp.maximum(slot, 0)
+        take = lambda a: jnp.take_along_axis(a, slot, axis=1)
+        within = tokens[None, :] - take(offset)
+        real = (within >= 0) & (within < take(sizes[at]))
+        row = order[at]
+        source = take(row) * length + jnp.clip(within, 0, length - 1)
+        return Lines(
+            row, valid, jnp.where(filled, offset, 0), source,
+            jnp.where(real, slot + 1, 0), jnp.where(real, within, 0),
+        )  # fmt: skip
+
+    def _trimmed(self, x: jax.Array) -> bool:
+        return x.ndim >= 2 and x.shape[1] == self.padded
+
+    def take(self, tree: PyTree, index: Any) -> PyTree:
+        """The chunk: token leaves packed into lines, other leaves per slot, and the
+        packing keys (``segment_ids``, ``position_ids``, ``segment_starts``)."""
+        lines = self.where(index)
+        real = lines.segment > 0
+        shards, n = self.num_shards, self.batch_size // self.num_shards
+
+        def one(x):
+            if not self._trimmed(x):
+                return _token_chunks.take_rows(x, *self._slots(lines), shards)
+            reshape = self.layout.reshape  # the shards stay split over the devices
+            flat = reshape(x, (shards, n * self.padded, *x.shape[2:]))
+            at = lines.source.reshape(shards, -1, *[1] * (x.ndim - 2))
+            piece = jnp.take_along_axis(flat, at, axis=1)
+            piece = reshape(piece, (shards * self.lines, self.padded, *x.shape[2:]))
+            keep = real.reshape(-1, self.padded, *[1] * (x.ndim - 2))
+            return jnp.where(keep, piece, jnp.zeros_like(piece))
+
+        chunk = dict(jax.tree.map(one, tree))
+        lined = (shards * self.lines,)
+        flat = lambda a: self.layout.reshape(a, (*lined, *a.shape[2:])).astype(jnp.int32)
+        chunk[SEGMENT_IDS] = flat(lines.segment)
+        chunk.setdefault(POSITION_IDS, flat(lines.position))
+        chunk[SEGMENT_STARTS] = flat(lines.starts)
+        return chunk
+
+    def take_cotangent(self, tree: PyTree, index: Any) -> PyTree:
+        """The chunk's slots of a representation gradient; zero on empty slots."""
+        lines = self.where(index)
+        return _token_chunks.take_rows(tree, *self._slots(lines), self.num_shards)
+
+    def _slots(self, lines: Lines) -> tuple[jax.Array, jax.Array]:
+        return (lines.rows.reshape(self.num_shards, -1), lines.valid.reshape(self.num_shards, -1))
+
+    def put(self, buffer: PyTree, chunk: PyTree, index: Any) -> PyTree:
+        """Writes the chunk's slots (not its empty ones) to their rows of ``buffer``."""
+        return _token_chunks.put_rows(buffer, chunk, *self._slots(self.where(index)), self)
+
+    def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
+        return shapes[0]
+
+    def reference(self, encode, params: PyTree, batch: PyTree, key, trim: bool = True) -> PyTree:
+        """``trim``: every chunk this plan can cut (with its key; a chunk past the data's
+        lines writes no row), scattered back to the batch's order, differentiably (the
+        reference of ``gc_jax.testing``; one shard). Not ``trim``: the batch unpacked,
+        ``encode(params, batch, key)``, as the encoder sees it without a packing."""
+        if not trim:
+            return encode(params, batch, key)
+
+        def encoded(turn):
+            return encode(params, self.take(batch, turn), _keys.chunk_key(key, turn))
+
+        shape = jax.eval_shape(lambda: encoded(jnp.int32(0)))
+        out = jax.tree.map(lambda r: jnp.zeros((self.batch_size, *r.shape[1:]), r.dtype), shape)
+
+        def turn(out, t):
+            rows, valid = self._slots(self.where(t))
+            rows = jnp.where(valid, rows, self.batch_size).reshape(-1)  # empty: dropped
+            put = lambda o, r: o.at[rows].set(r.astype(o.dtype), mode="drop")
+            return jax.tree.map(put, out, encoded(t)), None
+
+        out, _ = jax.lax.scan(turn, out, jnp.arange(-(-self.batch_size // self.lines)))
+        return out
+
+
+def _next_fit(sizes: jax.Array, line_length: int, segments: int) -> jax.Array:
+    """Where each line starts in ``sizes`` (one shard's lengths, longest first), packed
+    next-fit; ``[n + 1]``, ``n`` past the last line (one ``lax.scan`` over the rows)."""
+    n = sizes.shape[0]
+
+    def step(carry, size):
+        used, count = carry
+        new = (used + size > line_length) | (count == segments)
+        return (jnp.where(new, 0, used) + size, jnp.where(new, 0, count) + 1), new
+
+    zero = sizes[0] * 0  # typed like the rows (varying over a shard_map axis)
+    _, new = jax.lax.scan(step, (zero + line_length, zero), sizes, unroll=8)
+    line = jnp.cumsum(new) - 1
+    at = jnp.where(new, line, n + 1)  # a line's first row; the others are dropped
+    return jnp.full((n + 1,), n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+
+
+def make_plan(batch: PyTree, packing: TokenPacking, name: str,
+              layout: _layout.Layout = _layout.SINGLE) -> PackPlan:  # fmt: skip
+    """Packs ``batch`` (traced lengths; static shapes)."""
+    if not hasattr(batch, "keys"):
+        raise TypeError(
+            f"a TokenPacking packs a dict batch of token arrays, but {name} is a "
+            f"{type(batch).__name__}; pass a dict such as {{'input_ids': ..., "
+            "'attention_mask': ...}."
+        )
+    if SEGMENT_IDS in batch or SEGMENT_STARTS in batch:
+        raise ValueError(
+            f"{name} already has a {SEGMENT_IDS!r} or {SEGMENT_STARTS!r} key, which a "
+            "TokenPacking adds to every chunk; pass the batch unpacked, one row per sequence."
+        )
+    num_shards = layout.array_shards
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    padded = _token_chunks.padded_length(batch, packing, name)
+    _token_chunks.warn_float_columns(batch, padded, name, packing)
+    lines, _ = packing.chunk_shape(padded, batch_size // num_shards)
+    length = _token_chunks.row_lengths(batch, packing, name).reshape(num_shards, -1)
+    length = jnp.maximum(length, 1).astype(jnp.int32)  # an empty row takes one position
+    order = jnp.argsort(-length, axis=1, stable=True)
+    sizes = jnp.take_along_axis(length, order, axis=1)
+    before = jnp.concatenate([jnp.zeros_like(sizes[:, :1]), jnp.cumsum(sizes, axis=1)], axis=1)
+    first = jax.vmap(lambda s: _next_fit(s, padded, packing.segments))(sizes)
+    used = jnp.sum(first < order.shape[1], axis=1)  # lines of each shard
+    trips = jnp.max(-(-used // lines))
+    return PackPlan(batch_size, num_shards, padded, lines, packing.segments, order, sizes,
+                    before, first, used, trips, layout)  # fmt: skip

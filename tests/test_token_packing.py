@@ -1,0 +1,359 @@
+"""Packed chunks (gc_jax.TokenPacking): exact against the full padded batch.
+
+The encoder is a tiny masked transformer that reads the packing keys through
+``gc_jax.packing`` (attention within each row, positions within each row, pooling per
+row), so packing rows next to each other changes nothing but float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gc_jax
+from gc_jax import _packed_chunks, _token_packing, packing
+from gc_jax.losses import contrastive_loss
+
+VOCAB, WIDTH, PADDED, LANGS = 11, 8, 16, 3
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+PACKING = gc_jax.TokenPacking(tokens=64, segments=4)  # chunks of 4 lines x 16 tokens
+
+
+def make_tower(seed):
+    k = jax.random.split(jax.random.key(seed), 6)
+    n = lambda i, *s: jax.random.normal(k[i], s) / np.sqrt(s[0])
+    return {"emb": n(0, VOCAB, WIDTH), "pos": n(1, PADDED, WIDTH), "qkv": n(2, WIDTH, 3 * WIDTH),
+            "mlp": n(3, WIDTH, WIDTH), "lang": n(4, LANGS, WIDTH)}  # fmt: skip
+
+
+def make_params():
+    return {"q": make_tower(0), "d": make_tower(1), "log_temp": jnp.array(-1.0)}
+
+
+def transformer(pooling, dropout=0.0, one_hot=False, packed=True, normalise=True):
+    """``encode(tower, batch, key)``: one masked attention layer, then pooling; a per-row
+    ``"lang"`` id (where the batch has one) is added after pooling.
+
+    ``packed=False``: an encoder that ignores the packing keys (attends across the rows
+    of a line, counts positions from the line's start).
+    """
+
+    def encode(p, batch, key):
+        ids = batch["input_ids"]
+        emb = jax.nn.one_hot(ids, VOCAB) @ p["emb"] if one_hot else p["emb"][ids]
+        if packed:
+            pos, mask = packing.positions(batch), packing.attention_mask(batch)[:, 0]
+        else:
+            pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+            keep = batch["attention_mask"][:, None, :] > 0
+            mask = jnp.broadcast_to(keep, (*ids.shape, ids.shape[1]))
+        position = jax.nn.one_hot(pos, PADDED) @ p["pos"]
+        x = emb + position
+        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+        scores = jnp.where(mask, scores, -1e9)
+        x = x + jax.nn.softmax(scores, axis=-1) @ v
+        x = x + jnp.tanh(x @ p["mlp"])
+        if key is not None and dropout:
+            x = x * jax.random.bernoulli(key, 1 - dropout, x.shape) / (1 - dropout)
+        pool = packing.first_token if pooling == "first" else packing.mean_pool
+        pooled = pool(x, batch)
+        if normalise:  # the gradient of the norm is NaN at zero: no output may be zero
+            pooled = pooled / jnp.linalg.norm(pooled, axis=-1, keepdims=True)
+        if not packed and packing.is_packed(batch):
+            pooled = jnp.repeat(pooled[:: batch["segment_starts"].shape[1]],
+                                batch["segment_starts"].shape[1], axis=0)  # fmt: skip
+        if "lang" in batch:
+            pooled = pooled + jax.nn.one_hot(batch["lang"], LANGS) @ p["lang"]
+        return pooled
+
+    return encode
+
+
+def towers(dropout=0.0, one_hot=False, packed=True, normalise=True):
+    q_enc = transformer("mean", dropout, one_hot, packed, normalise)
+    d_enc = transformer("first", dropout, one_hot, packed, normalise)
+    return [lambda p, x, key: q_enc(p["q"], x, key), lambda p, x, key: d_enc(p["d"], x, key)]
+
+
+def loss_fn(params, q, d, axis_name=None):
+    return contrastive_loss(q, d, temperature=jnp.exp(params["log_temp"]), axis_name=axis_name)
+
+
+def text_batch(rows, kind, seed, padded=PADDED, lang=False):
+    """Token ids and a prefix mask; ``kind`` picks the length distribution."""
+    rng = np.random.default_rng(seed)
+    lengths = {
+        "uniform": rng.integers(1, padded + 1, rows),
+        "short": rng.integers(1, 4, rows),
+        "long": rng.integers(padded - 2, padded + 1, rows),
+        "lognormal": np.clip(np.round(rng.lognormal(np.log(padded / 5), 0.8, rows)), 1, padded),
+        "with_empty": np.where(rng.random(rows) < 0.2, 0, rng.integers(1, padded + 1, rows)),
+    }[kind]
+    mask = (np.arange(padded)[None, :] < lengths[:, None]).astype(np.int32)
+    ids = rng.integers(1, VOCAB, mask.shape) * mask
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask)}
+    if lang:
+        batch["lang"] = jnp.asarray(rng.integers(0, LANGS, rows), jnp.int32)
+    return batch
+
+
+def full_batch(loss, encoders, params, *inputs):
+    """``jax.value_and_grad`` of the loss over the whole padded batch, unpacked."""
+    total = lambda p, *xs: loss(p, *[e(p, x, None) for e, x in zip(encoders, xs, strict=True)])
+    return jax.jit(jax.value_and_grad(total))(params, *inputs)
+
+
+def lengths_of(batch):
+    return np.asarray(batch["attention_mask"]).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "short", "long", "lognormal"])
+def test_matches_full_batch(kind):
+    params, encoders = make_params(), towers()
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))
+    q, d = text_batch(20, kind, 1, lang=True), text_batch(20, kind, 2)
+    chex.assert_trees_all_close(grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d),
+                                **TOL)  # fmt: skip
+
+
+def test_one_compiled_step_for_every_length_distribution():
+    params, encoders = make_params(), towers()
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))
+    for seed, kind in enumerate(["short", "long", "lognormal"]):
+        q, d = text_batch(24, kind, 2 * seed), text_batch(24, "uniform", 2 * seed + 1)
+        chex.assert_trees_all_close(grad_fn(params, q, d),
+                                    full_batch(loss_fn, encoders, params, q, d), **TOL)  # fmt: skip
+    assert grad_fn._cache_size() == 1
+
+
+def test_empty_rows_take_one_position():
+    """A row without tokens is packed as one masked position: finite, and its output is
+    whatever the encoder makes of no tokens (here zero: not normalised)."""
+    params, encoders = make_params(), towers(normalise=False)
+    q, d = text_batch(24, "with_empty", 20), text_batch(24, "uniform", 21)
+    assert (lengths_of(q) == 0).any()
+    got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))(params, q, d)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(got))
+    reps = gc_jax.chunked_encoder(encoders[0], PACKING)(params, q)
+    empty = lengths_of(q) == 0
+    np.testing.assert_array_equal(reps[empty], 0.0)
+    chex.assert_trees_all_close(reps[~empty], encoders[0](params, q, None)[~empty], **TOL)
+
+
+def test_packs_rows_into_few_chunks():
+    """Short rows share lines: the chunks the step runs are the NumPy count, and far
+    fewer than one line per row."""
+    q = text_batch(32, "short", 3)
+    counts = PACKING.chunk_counts(lengths_of(q), PADDED)
+    (((lines, tokens), chunks),) = counts.items()
+    assert (lines, tokens) == (4, PADDED) and chunks == 2  # 32 rows, 4 per line, 4 lines
+    plan = _packed_chunks.make_plan(q, PACKING, "q")
+    assert int(plan.trips) == chunks
+    counts_long = PACKING.chunk_counts(lengths_of(text_batch(32, "long", 4)), PADDED)
+    assert counts_long == {(4, PADDED): 8}  # one row per line: as many lines as rows
+
+
+def test_next_fit_matches_numpy():
+    """The traced packing (``lax.scan``) and the NumPy one agree, line by line."""
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n, length = int(rng.integers(1, 40)), int(rng.integers(4, 33))
+        segments = int(rng.integers(2, 6))
+        lengths = rng.integers(0, length + 1, n)
+        first, count = _token_packing.next_fit(lengths, length, segments)
+        sizes = np.sort(np.maximum(lengths, 1))[::-1].astype(np.int32)
+        traced = np.asarray(jax.jit(_packed_chunks._next_fit, static_argnums=(1, 2))(
+            jnp.asarray(sizes), length, segments))  # fmt: skip
+        assert list(traced[: len(first)]) == first and (traced[len(first) :] == n).all()
+        ends = [*first[1:], n]
+        assert [e - f for f, e in zip(first, ends, strict=True)] == count
+        for f, e in zip(first, ends, strict=True):
+            assert sizes[f:e].sum() <= length and e - f <= segments
+
+
+def test_the_chunk_holds_each_row_once():
+    """Every row's tokens appear once, in order, under their segment id, with positions
+    counted from the row's start; per-row leaves go to their slot."""
+    q = text_batch(12, "uniform", 5, lang=True)
+    plan = _packed_chunks.make_plan(q, PACKING, "q")
+    seen = {}
+    for c in range(int(plan.trips)):
+        chunk = plan.take(q, jnp.int32(c))
+        rows, valid = (np.asarray(a).reshape(-1) for a in plan._slots(plan.where(jnp.int32(c))))
+        for line in range(PACKING.tokens // PADDED):
+            for slot in range(PACKING.segments):
+                at = line * PACKING.segments + slot
+                if not valid[at]:
+                    continue
+                row = int(rows[at])
+                where = np.asarray(chunk["segment_ids"][line]) == slot + 1
+                start = int(chunk["segment_starts"][line, slot])
+                assert where.sum() == lengths_of(q)[row] and where[start]
+                np.testing.assert_array_equal(chunk["input_ids"][line][where],
+                                              q["input_ids"][row][: where.sum()])  # fmt: skip
+                np.testing.assert_array_equal(chunk["position_ids"][line][where],
+                                              np.arange(where.sum()))  # fmt: skip
+                assert int(chunk["lang"][at]) == int(q["lang"][row])
+                seen[row] = seen.get(row, 0) + 1
+    assert seen == dict.fromkeys(range(12), 1)
+
+
+def test_chunked_encoder_train_step_and_grad_cache_forms():
+    params, encoders = make_params(), towers()
+    q, d = text_batch(20, "lognormal", 6), text_batch(20, "uniform", 7)
+    want = full_batch(loss_fn, encoders, params, q, d)
+    q_enc, d_enc = (gc_jax.chunked_encoder(e, PACKING) for e in encoders)
+    chunked = jax.jit(jax.value_and_grad(
+        lambda p, q, d: loss_fn(p, q_enc(p, q, None), d_enc(p, d, None))
+    ))  # fmt: skip
+    chex.assert_trees_all_close(chunked(params, q, d), want, **TOL)
+    opt = optax.sgd(0.5)
+    step = jax.jit(gc_jax.make_train_step(loss_fn, encoders, PACKING, optimizer=opt))
+    (new, _), metrics = step((params, opt.init(params)), q, d)
+    chex.assert_trees_all_close(metrics["loss"], want[0], **TOL)
+    want_new = jax.tree.map(lambda p, g: p - 0.5 * g, params, want[1])
+    chex.assert_trees_all_close(new, want_new, **TOL)
+
+
+def test_mixed_with_a_budget_and_row_chunks():
+    params, encoders = make_params(), towers()
+    q, d = text_batch(20, "short", 8), text_batch(20, "lognormal", 9)
+    for chunk in [(PACKING, 3), (gc_jax.TokenBudget(48, (4, 8, 16)), PACKING)]:
+        grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunk))
+        chex.assert_trees_all_close(grad_fn(params, q, d),
+                                    full_batch(loss_fn, encoders, params, q, d), **TOL)  # fmt: skip
+
+
+def test_dropout_replayed_and_the_testing_helper():
+    """With a key, each chunk's dropout is replayed in pass 2: the testing reference
+    (packed chunks, differentiably) gives the same gradients, and the helper passes."""
+    params, encoders = make_params(), towers(dropout=0.3)
+    q, d = text_batch(20, "lognormal", 10), text_batch(20, "uniform", 11)
+    rng = jax.random.key(3)
+    got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))(params, q, d, rng=rng)
+    ref = jax.jit(gc_jax.testing.full_batch_value_and_grad(loss_fn, encoders, PACKING))
+    chex.assert_trees_all_close(got, ref(params, q, d, rng=rng), **TOL)
+    no_key = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))(params, q, d)
+    assert not np.allclose(got[0], no_key[0])  # the key did drop something
+    gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, PACKING, params, q, d, rng=rng,
+                                             **TOL)  # fmt: skip
+
+
+def test_the_testing_helper_catches_an_encoder_that_ignores_the_packing():
+    params, encoders = make_params(), towers(packed=False)
+    q, d = text_batch(20, "short", 12), text_batch(20, "short", 13)
+    with pytest.raises(AssertionError, match=r"packed chunks .* than for the batch unpacked"):
+        gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, PACKING, params, q, d)
+
+
+def test_shard_map_packs_per_device():
+    mesh = jax.make_mesh((8,), ("d",))
+    params, encoders = make_params(), towers()
+    q, d = text_batch(48, "lognormal", 14), text_batch(48, "uniform", 15)
+    loss = lambda p, q, d: loss_fn(p, q, d, axis_name="d")
+    grad_fn = gc_jax.cached_value_and_grad(loss, encoders, PACKING, axis_name="d")
+    step = jax.jit(
+        jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=(P(), P()))
+    )
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
+    got = step(params, put(q), put(d))
+    chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
+
+
+@pytest.mark.parametrize("set_mesh", [False, True])
+def test_sharded_jit_over_explicit_axes(set_mesh):
+    """Explicit axes (``jax.make_mesh``'s default), with and without ``jax.set_mesh``:
+    each device's rows packed on their own, exact."""
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    params, encoders = make_params(), towers(one_hot=True)
+    q, d = text_batch(32, "lognormal", 16, lang=True), text_batch(32, "short", 17)
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
+    want = full_batch(loss_fn, encoders, params, q, d)
+    cached = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        got = cached(params, put(q), put(d))
+    chex.assert_trees_all_close(jax.device_get(got), want, **TOL)
+
+
+def test_an_encoder_that_returns_one_row_per_line_is_told_what_to_return():
+    params = make_params()
+    per_line = lambda p, x, key: x["input_ids"].astype(jnp.float32) @ p["q"]["pos"]
+    q = text_batch(8, "short", 18)
+    grad_fn = gc_jax.cached_value_and_grad(loss_fn, per_line, PACKING)
+    with pytest.raises(ValueError, match=r"\(4, 8\) for a chunk of 16 rows.*one row per slot"):
+        grad_fn(params, q, q)
+
+
+@pytest.mark.parametrize(
+    ("batch", "error", "match"),
+    [
+        ((jnp.ones((8, 16), jnp.int32),), TypeError, "packs a dict batch"),
+        (
+            {
+                "input_ids": jnp.ones((8, 16), jnp.int32),
+                "segment_ids": jnp.ones((8, 16), jnp.int32),
+            },
+            ValueError,
+            "already has",
+        ),
+        ({"input_ids": jnp.ones((8, 16), jnp.int32)}, ValueError, "attention_mask"),
+    ],
+)
+def test_batch_errors(batch, error, match):
+    encode = lambda p, x, key: packing.mean_pool(p["q"]["emb"][x["input_ids"]], x)
+    with pytest.raises(error, match=match):
+        gc_jax.chunked_encoder(encode, PACKING)(make_params(), batch)
+
+
+def test_differentiating_the_batch_is_refused():
+    encode = lambda p, x, key: packing.mean_pool(x["emb"], x)
+    mask = jnp.ones((8, 16), jnp.int32)
+    encoded = gc_jax.chunked_encoder(encode, PACKING)
+    f = lambda emb: encoded(None, {"emb": emb, "attention_mask": mask}).sum()
+    with pytest.raises(ValueError, match="cannot be differentiated"):
+        jax.grad(f)(jnp.ones((8, 16, 2)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tokens": 0, "segments": 4}, TypeError, "tokens must be a positive int"),
+        ({"tokens": 64, "segments": 1}, ValueError, "at least 2"),
+        ({"tokens": 64, "segments": 2.0}, TypeError, "segments must be a positive int"),
+        ({"tokens": 64, "segments": 4, "lengths": 3}, TypeError, "lengths must be"),
+    ],
+)
+def test_bad_packing(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gc_jax.TokenPacking(**kwargs)
+
+
+def test_tokens_smaller_than_a_line():
+    encode = lambda p, x, key: packing.mean_pool(p["q"]["emb"][x["input_ids"]], x)
+    with pytest.raises(ValueError, match="smaller than one line"):
+        encoded = gc_jax.chunked_encoder(encode, gc_jax.TokenPacking(8, 2))
+        encoded(make_params(), text_batch(4, "short", 0))
+
+
+def test_largest_chunk_size_names_the_packing():
+    with pytest.raises(TypeError, match=r"candidates\[0\] is a gc_jax.TokenPacking"):
+        gc_jax.largest_chunk_size(lambda c: None, (), [PACKING])
+
+
+def test_packing_helpers_unpacked_are_the_plain_ones():
+    q = text_batch(6, "uniform", 19)
+    hidden = jax.random.normal(jax.random.key(0), (6, PADDED, 3))
+    m = q["attention_mask"][..., None]
+    chex.assert_trees_all_close(packing.mean_pool(hidden, q), (hidden * m).sum(1) / m.sum(1))
+    chex.assert_trees_all_close(packing.first_token(hidden, q), hidden[:, 0])
+    assert packing.attention_mask(q).shape == (6, 1, 1, PADDED)
+    np.testing.assert_array_equal(packing.positions(q)[2], np.arange(PADDED))
