@@ -15,7 +15,9 @@ pairs; the data (``--data``):
 Settings: ``rows``: ``chunk_size=--chunk`` rows (default: ``--tokens`` over the documents'
 padded length, so a chunk holds as many tokens as a budget chunk); ``tokens``: per input
 ``gc_jax.TokenBudget.for_lengths`` on ``--fit-batches`` other batches (``--max-buckets``;
-``--query-max-buckets``), or ``--buckets`` for every input.
+``--query-max-buckets``), or ``--buckets`` for every input; ``packing``:
+``gc_jax.TokenPacking(--tokens, --segments)`` for every input (one chunk shape per input;
+the example's encoder reads the packing keys).
 
 Printed for each: the padded share of the tokens each pass encodes (a budget's padding
 rows count as padding), the work (FLOPs of every chunk's encoder forward and
@@ -68,9 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
     add("--buckets", type=int, nargs="+", help="every input's buckets (else fitted)")
     add("--query-max-buckets", type=int, default=1, help="max_buckets of the queries' budget")
+    add("--segments", type=int, default=16, help="TokenPacking segments (rows per line)")
+    add("--no-packing", action="store_true", help="leave out the packing setting")
     add("--compile-scaling", type=int, nargs="*", metavar="K",
-        help="only compile: rows, then budgets of K fitted document buckets (lower and "
-        "compile times, distinct chunk shapes)")  # fmt: skip
+        help="only compile: rows, then budgets of K fitted document buckets, then the "
+        "packing (lower and compile times, distinct chunk shapes)")  # fmt: skip
     add("--fit-batches", type=int, default=16, help="batches the buckets are fitted on")
     add("--batches", type=int, default=2, help="distinct batches timed")
     add("--rounds", type=int, default=5, help="interleaved timing rounds (0: no timing)")
@@ -129,7 +133,7 @@ def chunk_counts(chunk_size, batch) -> dict[tuple[int, int], int]:
     """``{(rows, tokens): chunks}`` one input's step encodes in each pass (the library's
     own plan for a budget)."""
     rows, length = batch["input_ids"].shape
-    if not isinstance(chunk_size, gc_jax.TokenBudget):
+    if not isinstance(chunk_size, gc_jax.TokenBudget | gc_jax.TokenPacking):
         counts = {(min(chunk_size, rows), length): rows // chunk_size}
         if rows % chunk_size:
             counts[rows % chunk_size, length] = 1
@@ -139,18 +143,28 @@ def chunk_counts(chunk_size, batch) -> dict[tuple[int, int], int]:
     return chunk_size.chunk_counts(lengths, length)
 
 
-def chunk_flops(model, shape: tuple[int, int], cache: dict) -> float:
-    """FLOPs of one chunk's forward (pass 1) plus forward and backward (pass 2)."""
-    if shape not in cache:
+def chunk_flops(model, shape: tuple[int, int], cache: dict, segments: int | None = None) -> float:
+    """FLOPs of one chunk's forward (pass 1) plus forward and backward (pass 2);
+    ``segments``: a packed chunk's (with its packing keys)."""
+    if (shape, segments) not in cache:
         encode = gc_jax.nnx_encoder(model)
         params = nnx.state(model, nnx.Param)
-        x = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "attention_mask")}
+        keys = ("input_ids", "attention_mask") + (
+            ("segment_ids", "position_ids") if segments else ()
+        )
+        x = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in keys}
+        if segments:
+            x["segment_starts"] = jax.ShapeDtypeStruct((shape[0], segments), jnp.int32)
         forward = lambda p, x: encode(p, x, None)
         both = lambda p, x: jax.vjp(lambda p: forward(p, x), p)[1](forward(p, x))
-        cache[shape] = sum(
+        cache[shape, segments] = sum(
             float(jax.jit(f).lower(params, x).cost_analysis()["flops"]) for f in (forward, both)
         )
-    return cache[shape]
+    return cache[shape, segments]
+
+
+def packings(args) -> tuple[gc_jax.TokenPacking, gc_jax.TokenPacking]:
+    return (gc_jax.TokenPacking(args.tokens, args.segments),) * 2
 
 
 def input_budgets(args, fit) -> tuple[gc_jax.TokenBudget, gc_jax.TokenBudget]:
@@ -173,8 +187,10 @@ def compile_scaling(args, model, params, chunk, fit, batch) -> None:
     print("| chunks | distinct chunk shapes | lower s (CPU s) | compile s (CPU s) | "
           "total CPU vs rows |")  # fmt: skip
     base = None
-    for k in [0, *args.compile_scaling]:
-        if k:
+    for k in [0, *args.compile_scaling, "packing"]:
+        if k == "packing":
+            chunks = packings(args)
+        elif k:
             args.max_buckets, args.buckets = k, None
             chunks = input_budgets(args, fit)
         else:
@@ -241,9 +257,12 @@ def measure(args, model, params, settings, batches) -> dict:
         counts = [[chunk_counts(c, x) for c, x in zip(chunks, b, strict=True)] for b in batches]
         encoded = [[sum(r * n * t for (r, n), t in c.items()) for c in b] for b in counts]
         real = [[int(x["attention_mask"].sum()) for x in b] for b in batches]
+        segments = [getattr(c, "segments", None) for c in chunks]
         work = [
-            sum(chunk_flops(model, s, flops) * t for c in b for s, t in c.items()) for b in counts
-        ]
+            sum(chunk_flops(model, s, flops, n) * t for c, n in zip(b, segments, strict=True)
+                for s, t in c.items())
+            for b in counts
+        ]  # fmt: skip
         results[name] = {
             "step": compiled,
             "wall": [],
@@ -284,6 +303,8 @@ def main(argv=None) -> dict:
         compile_scaling(args, model, params, chunk, fit, batches[0])
         return {}
     settings = {"rows": (chunk, chunk), "tokens": input_budgets(args, fit)}
+    if not args.no_packing:
+        settings["packing"] = packings(args)
     print(f"data {args.data}: batch {args.batch}, queries {args.query_length} / documents "
           f"{args.document_length} tokens, {args.batches} batches timed x {args.rounds} "
           f"interleaved rounds; buckets fitted on {args.fit_batches} other batches")  # fmt: skip

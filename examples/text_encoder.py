@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gc_jax import packing
+
 
 @dataclass(frozen=True)
 class EncoderConfig:
@@ -53,8 +55,11 @@ class Embeddings(nnx.Module):
         self.layer_norm = nnx.LayerNorm(width, epsilon=config.layer_norm_eps, rngs=rngs)
         self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
 
-    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
-        positions = jnp.arange(input_ids.shape[-1])
+    def __call__(
+        self, input_ids: jax.Array, token_type_ids: jax.Array, positions: jax.Array | None = None
+    ) -> jax.Array:
+        if positions is None:
+            positions = jnp.arange(input_ids.shape[-1])
         x = (
             self.word_embeddings(input_ids)
             + self.position_embeddings(positions)
@@ -73,14 +78,14 @@ class SelfAttention(nnx.Module):
         self.query, self.key, self.value, self.output = dense(), dense(), dense(), dense()
         self.dropout = nnx.Dropout(config.attention_probs_dropout_prob, rngs=rngs)
 
-    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, keep: jax.Array) -> jax.Array:
+        """``keep``: which keys each query may attend to, broadcast to ``[..., heads, q, k]``."""
         *batch, length, width = x.shape
         heads = lambda y: y.reshape(*batch, length, self.num_heads, -1)
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
         # Hugging Face adds the dtype's minimum to masked keys; a large finite value
         # keeps rows that are all padding finite too.
-        keep = attention_mask[..., None, None, :].astype(bool)
         scores = jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
         weights = self.dropout(jax.nn.softmax(scores, axis=-1))
         context = jnp.einsum("...hqk,...khd->...qhd", weights, v)
@@ -103,8 +108,8 @@ class Layer(nnx.Module):
         self.output_norm = nnx.LayerNorm(width, epsilon=eps, rngs=rngs)
         self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
 
-    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        x = self.attention_norm(x + self.dropout(self.attention(x, attention_mask)))
+    def __call__(self, x: jax.Array, keep: jax.Array) -> jax.Array:
+        x = self.attention_norm(x + self.dropout(self.attention(x, keep)))
         hidden = jax.nn.gelu(self.intermediate(x), approximate=False)
         return self.output_norm(x + self.dropout(self.output(hidden)))
 
@@ -122,13 +127,20 @@ class SentenceEncoder(nnx.Module):
         input_ids: jax.Array,
         attention_mask: jax.Array,
         token_type_ids: jax.Array | None = None,
+        **packed: jax.Array,
     ) -> jax.Array:
-        """The last layer's hidden states, ``[..., length, hidden_size]``."""
+        """The last layer's hidden states, ``[..., length, hidden_size]``; ``packed``: a
+        ``TokenPacking``'s keys (``segment_ids``, ``position_ids``, ``segment_starts``)."""
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        x = self.embeddings(input_ids, token_type_ids)
+        chunk = {"input_ids": input_ids, "attention_mask": attention_mask, **packed}
+        if packing.is_packed(chunk):
+            keep, positions = packing.attention_mask(chunk), packing.positions(chunk)
+        else:  # [..., heads, queries, keys]
+            keep, positions = attention_mask[..., None, None, :].astype(bool), None
+        x = self.embeddings(input_ids, token_type_ids, positions)
         for layer in self.layers:
-            x = layer(x, attention_mask)
+            x = layer(x, keep)
         return x
 
     def __call__(
@@ -136,9 +148,14 @@ class SentenceEncoder(nnx.Module):
         input_ids: jax.Array,
         attention_mask: jax.Array,
         token_type_ids: jax.Array | None = None,
+        **packed: jax.Array,
     ) -> jax.Array:
-        """Sentence embeddings, ``[..., hidden_size]``, each of unit L2 norm."""
-        hidden = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        """Sentence embeddings, ``[..., hidden_size]``, each of unit L2 norm; with a
+        ``TokenPacking``'s keys (``packed``), one per slot, ``[lines * segments, ...]``."""
+        hidden = self.hidden_states(input_ids, attention_mask, token_type_ids, **packed)
+        chunk = {"attention_mask": attention_mask, **packed}
+        if packing.is_packed(chunk):
+            return normalize(packing.mean_pool(hidden, chunk))
         return normalize(mean_pool(hidden, attention_mask))
 
 

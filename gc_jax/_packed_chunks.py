@@ -1,10 +1,11 @@
 """Chunks cut by a :class:`gc_jax.TokenPacking`: rows packed into lines of one shape.
 
 Under ``jax.jit`` the lengths are traced data. Each shard's rows are sorted longest
-first (a stable ``argsort``) and packed *next-fit* by one ``lax.scan`` over them: a
-line takes rows until the next does not fit or it holds ``segments`` rows. A line's
-rows are therefore consecutive in that order, and a plan is a few ``[rows]`` arrays:
-the order, the sorted lengths, their running sum and where each line starts. Chunk
+first (a stable ``argsort``) and placed by one ``lax.scan`` over them: a line takes
+the longest row left, then the shortest rows left while they fit and it holds fewer
+than ``segments`` rows. A line's rows are consecutive in the order of placement, so
+a plan is a few ``[rows]`` arrays: that order, the lengths in it, their running sum
+and where each line starts. Chunk
 ``c`` holds lines ``c * lines .. (c + 1) * lines - 1``; their token gather is computed
 when the chunk is taken. The number of chunks is traced, so the passes run one loop
 with a traced trip count (as for a ``TokenBudget``). The cache stays in the batch's
@@ -46,7 +47,7 @@ class PackPlan(NamedTuple):
       padded: the batch's padded length ``L`` (the line length).
       lines: lines per shard of every chunk.
       segments: slots per line.
-      order: ``[S, B / S]``: each shard's rows, longest first.
+      order: ``[S, B / S]``: each shard's rows, in the order they are placed in lines.
       sizes: ``[S, B / S]``: their lengths (at least 1) in that order.
       before: ``[S, B / S + 1]``: the tokens of the rows before each, in that order.
       first: ``[S, B / S + 1]``: where each line starts in the order (``B / S`` past
@@ -203,21 +204,35 @@ class PackPlan(NamedTuple):
         return out
 
 
-def _next_fit(sizes: jax.Array, line_length: int, segments: int) -> jax.Array:
-    """Where each line starts in ``sizes`` (one shard's lengths, longest first), packed
-    next-fit; ``[n + 1]``, ``n`` past the last line (one ``lax.scan`` over the rows)."""
+def _place(sizes: jax.Array, line_length: int, segments: int) -> tuple[jax.Array, jax.Array]:
+    """Lines of one shard's rows, ``sizes`` their lengths longest first (as
+    ``gc_jax._token_packing.pack_lines``, by one ``lax.scan`` over the rows).
+
+    Returns:
+      ``(placed, first)``: ``placed[i]``, the position in ``sizes`` of the ``i``-th
+      row placed; ``first[k]``, where line ``k`` starts among the placed rows
+      (``[n + 1]``, ``n`` past the last line).
+    """
     n = sizes.shape[0]
 
-    def step(carry, size):
-        used, count = carry
-        new = (used + size > line_length) | (count == segments)
-        return (jnp.where(new, 0, used) + size, jnp.where(new, 0, count) + 1), new
+    def step(carry, _):
+        front, back, used, count = carry
+        back_size = sizes[jnp.maximum(back, 0)]
+        more = (count > 0) & (count < segments) & (used + back_size <= line_length)
+        at = jnp.where(more, back, front)
+        size = sizes[at]
+        carry = (
+            front + (~more), back - more, jnp.where(more, used, 0) + size,
+            jnp.where(more, count, 0) + 1,
+        )  # fmt: skip
+        return carry, (at, ~more)
 
     zero = sizes[0] * 0  # typed like the rows (varying over a shard_map axis)
-    _, new = jax.lax.scan(step, (zero + line_length, zero), sizes, unroll=8)
+    _, (placed, new) = jax.lax.scan(step, (zero, zero + n - 1, zero, zero), None, length=n)
     line = jnp.cumsum(new) - 1
     at = jnp.where(new, line, n + 1)  # a line's first row; the others are dropped
-    return jnp.full((n + 1,), n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    first = jnp.full((n + 1,), n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return placed, first
 
 
 def make_plan(batch: PyTree, packing: TokenPacking, name: str,
@@ -243,8 +258,10 @@ def make_plan(batch: PyTree, packing: TokenPacking, name: str,
     length = jnp.maximum(length, 1).astype(jnp.int32)  # an empty row takes one position
     order = jnp.argsort(-length, axis=1, stable=True)
     sizes = jnp.take_along_axis(length, order, axis=1)
+    placed, first = jax.vmap(lambda s: _place(s, padded, packing.segments))(sizes)
+    order = jnp.take_along_axis(order, placed, axis=1)
+    sizes = jnp.take_along_axis(sizes, placed, axis=1)
     before = jnp.concatenate([jnp.zeros_like(sizes[:, :1]), jnp.cumsum(sizes, axis=1)], axis=1)
-    first = jax.vmap(lambda s: _next_fit(s, padded, packing.segments))(sizes)
     used = jnp.sum(first < order.shape[1], axis=1)  # lines of each shard
     trips = jnp.max(-(-used // lines))
     return PackPlan(batch_size, num_shards, padded, lines, packing.segments, order, sizes,

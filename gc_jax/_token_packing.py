@@ -121,20 +121,23 @@ class TokenPacking:
         array = _token_spans.checked_lengths(lengths, padded_length, "TokenPacking.chunk_counts "
                                              "lengths", "devices")  # fmt: skip
         shape = self.chunk_shape(padded_length, array.shape[1])
-        lines = max(len(next_fit(row, padded_length, self.segments)[0]) for row in array)
+        lines = max(len(pack_lines(row, padded_length, self.segments)) for row in array)
         return {shape: -(-lines // shape[0])}
 
 
-def next_fit(lengths: Any, line_length: int, segments: int) -> tuple[list[int], list[int]]:
-    """The lines of one device's rows, with NumPy: ``(first, count)`` of each line in the
-    rows sorted longest first (a row of length 0 takes one position)."""
+def pack_lines(lengths: Any, line_length: int, segments: int) -> list[list[int]]:
+    """The lines of one device's rows, with NumPy: each line's rows, as positions in the
+    rows sorted longest first (a row of length 0 takes one position).
+
+    A line takes the longest row left, then the shortest rows left while they fit and
+    it has fewer than ``segments`` rows (the shortest left not fitting, none does).
+    """
     ordered = np.sort(np.maximum(np.asarray(lengths), 1), kind="stable")[::-1]
-    first, count, used = [], [], line_length
-    for i, n in enumerate(ordered):
-        if used + n > line_length or count[-1] == segments:
-            first.append(i)
-            count.append(0)
-            used = 0
-        used += int(n)
-        count[-1] += 1
-    return first, count
+    front, back, lines = 0, len(ordered) - 1, []
+    while front <= back:
+        lines.append([front])
+        used, front = int(ordered[front]), front + 1
+        while front <= back and len(lines[-1]) < segments and used + ordered[back] <= line_length:
+            lines[-1].append(back)
+            used, back = used + int(ordered[back]), back - 1
+    return lines

@@ -36,7 +36,7 @@ PAGES = {
         "bring your own step: nnx",
     ],
     "chunk_size.md": ["largest chunk size"],
-    "token_budgets.md": ["token budget", "run it"],
+    "token_budgets.md": ["token budget", "run it", "token packing"],
     "scaling_out.md": [
         "setup",
         "shard_map",
@@ -154,6 +154,16 @@ def test_token_budget(capsys):
     shapes = capsys.readouterr().out.strip()
     assert shapes == "((256, 32), (128, 64), (64, 128), (32, 256))"
     assert f"(above: `{shapes}`)" in (DOCS / "token_budgets.md").read_text()
+
+
+def test_token_packing(capsys):
+    ns = run("token_budgets.md", "token budget", "run it", "token packing")
+    enc = ns["packed_encode"]
+    want = full_value_and_grad(ns["loss_fn"], enc, ns["params"], ns["queries"], ns["docs"])
+    chex.assert_trees_all_close((ns["loss"], ns["grads"]), want, **TOL)
+    counts = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"(above: `{counts}`:" in (DOCS / "token_budgets.md").read_text()
+    assert ns["packed"].chunk_shape(256, 256) == (32, 256)
 
 
 def test_scaling_out():

@@ -162,22 +162,23 @@ def test_packs_rows_into_few_chunks():
     assert counts_long == {(4, PADDED): 8}  # one row per line: as many lines as rows
 
 
-def test_next_fit_matches_numpy():
-    """The traced packing (``lax.scan``) and the NumPy one agree, line by line."""
+def test_the_traced_packing_is_the_numpy_one():
+    """The packing under jit (one ``lax.scan``) and the NumPy one agree, line by line;
+    every row is placed once, and no line is over-full."""
     rng = np.random.default_rng(0)
+    place = jax.jit(_packed_chunks._place, static_argnums=(1, 2))
     for _ in range(30):
         n, length = int(rng.integers(1, 40)), int(rng.integers(4, 33))
         segments = int(rng.integers(2, 6))
         lengths = rng.integers(0, length + 1, n)
-        first, count = _token_packing.next_fit(lengths, length, segments)
+        lines = _token_packing.pack_lines(lengths, length, segments)
         sizes = np.sort(np.maximum(lengths, 1))[::-1].astype(np.int32)
-        traced = np.asarray(jax.jit(_packed_chunks._next_fit, static_argnums=(1, 2))(
-            jnp.asarray(sizes), length, segments))  # fmt: skip
-        assert list(traced[: len(first)]) == first and (traced[len(first) :] == n).all()
-        ends = [*first[1:], n]
-        assert [e - f for f, e in zip(first, ends, strict=True)] == count
-        for f, e in zip(first, ends, strict=True):
-            assert sizes[f:e].sum() <= length and e - f <= segments
+        placed, first = (np.asarray(a) for a in place(jnp.asarray(sizes), length, segments))
+        ends = [*first[1 : len(lines)], n]
+        assert [list(placed[f:e]) for f, e in zip(first[: len(lines)], ends, strict=True)] == lines
+        assert (first[len(lines) :] == n).all() and sorted(placed) == list(range(n))
+        for line in lines:
+            assert sizes[line].sum() <= length and len(line) <= segments
 
 
 def test_the_chunk_holds_each_row_once():
