@@ -104,12 +104,14 @@ COMMON_DEFAULTS = {
     "data_seed": 0,
     "packages": list(retrieval_data.DEFAULT_PACKAGES),
     "chunk_tokens": 0,
+    "pack_tokens": 0,
 }
 RUN_FLAGS = (
     "model",
     "batch",
     "chunk",
     "chunk_tokens",
+    "pack_tokens",
     "steps",
     "lr",
     "eval_size",
@@ -125,6 +127,7 @@ INITIAL_TEMPERATURE = 0.05
 EVAL_BATCH = 128
 DEFAULT_SAVE_EVERY = 25
 TOKEN_BUCKETS = (16, 32, 64, 96, 128)
+PACK_SEGMENTS = 8  # rows per line of --pack-tokens (the median docstring is 15 of 32 tokens)
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="cut chunks by a token budget instead of --chunk rows: at most TOKENS tokens per "
         f"chunk, rows trimmed to buckets {TOKEN_BUCKETS} (gc_jax.TokenBudget); 0: off (0)",
+    )
+    add(
+        "--pack-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="pack rows into lines of their padded length instead of --chunk rows: TOKENS "
+        f"tokens per chunk, up to {PACK_SEGMENTS} rows per line (gc_jax.TokenPacking); 0: off (0)",
     )
     add("--steps", type=int, help=f"training steps ({_per_model('steps')})")
     add("--lr", type=float, help=f"peak learning rate ({_per_model('lr')})")
@@ -259,6 +269,13 @@ def check_values(parser: argparse.ArgumentParser, args) -> None:
             f"--chunk-tokens {args.chunk_tokens} holds no row of code "
             f"({DEFAULTS[args.model].document_length} tokens); pass at least that, or 0."
         )
+    if args.pack_tokens and args.pack_tokens < DEFAULTS[args.model].document_length:
+        parser.error(
+            f"--pack-tokens {args.pack_tokens} holds no line of code "
+            f"({DEFAULTS[args.model].document_length} tokens); pass at least that, or 0."
+        )
+    if args.pack_tokens and args.chunk_tokens:
+        parser.error("pass --chunk-tokens or --pack-tokens, not both.")
     if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
         parser.error(f"--stop-at must be in [1, --steps {args.steps}], got {args.stop_at}.")
     if args.batch < 2:
@@ -602,10 +619,13 @@ def save(manager, state: TrainState) -> None:
     run_dir.save_checkpoint(manager, state.step, state.params, state.opt_state, state.progress())
 
 
-def chunking(args) -> int | gc_jax.TokenBudget:
-    """``chunk_size``: ``--chunk`` rows, or a token budget with ``--chunk-tokens``."""
+def chunking(args) -> int | gc_jax.TokenBudget | gc_jax.TokenPacking:
+    """``chunk_size``: ``--chunk`` rows, a token budget with ``--chunk-tokens``, or a
+    packing with ``--pack-tokens`` (the encoder reads the packing keys)."""
     if args.chunk_tokens:
         return gc_jax.TokenBudget(tokens=args.chunk_tokens, buckets=TOKEN_BUCKETS)
+    if args.pack_tokens:
+        return gc_jax.TokenPacking(tokens=args.pack_tokens, segments=PACK_SEGMENTS)
     return args.chunk
 
 

@@ -67,7 +67,8 @@ class TokenPacking:
       >>> packing = gc_jax.TokenPacking(tokens=512, segments=4)
       >>> packing.chunk_shape(padded_length=128, rows=256)  # (lines, tokens)
       (4, 128)
-      >>> packing.chunk_counts([100, 20, 30, 128, 60, 40, 8, 70], padded_length=128)
+      >>> lengths = [100, 20, 30, 128, 60, 40, 8, 70, 90, 120]
+      >>> packing.chunk_counts(lengths, padded_length=128)  # 10 rows in 6 lines
       {(4, 128): 2}
     """
 

@@ -229,11 +229,27 @@ def missing_key(name: str, error: Exception) -> TypeError:
     )
 
 
+_PACKING_KEYS = ("'segment_ids'", "'position_ids'", "'segment_starts'")
+
+
 def call_encoder(encode: Callable, params: PyTree, chunk: PyTree, key: Any, name: str) -> PyTree:
-    """``encode(params, chunk, key)``; a missing key is named (see :func:`missing_key`)."""
+    """``encode(params, chunk, key)``; a missing key is named (see :func:`missing_key`),
+    and so is a model that does not take a ``TokenPacking``'s keys."""
     try:
         return encode(params, chunk, key)
     except TypeError as e:
+        if (
+            any(k in str(e) for k in _PACKING_KEYS)
+            and "segment_ids" in getattr(chunk, "keys", list)()
+        ):
+            raise TypeError(
+                f"{name} does not take the keys a gc_jax.TokenPacking adds to each chunk "
+                f"({e}): a packed chunk holds several rows per line, and the model must "
+                "read segment_ids, position_ids and segment_starts to keep them apart and "
+                "return one row per slot (see gc_jax.packing), or take **kwargs and "
+                "ignore them only if rows never interact. Or pass an int chunk_size or a "
+                "gc_jax.TokenBudget."
+            ) from e
         if key is not None or "PRNG key" not in str(e):
             raise
         raise missing_key(name, e) from e

@@ -65,7 +65,7 @@ def attention_mask(chunk: Mapping, mask: str = MASK) -> jax.Array:
 
 def positions(chunk: Mapping, key: str = "input_ids") -> jax.Array:
     """Each token's position in its row, ``int32[lines, L]``: ``chunk["position_ids"]``
-    where it has one, else ``0 .. L - 1`` on every line (of ``chunk[key]``'s shape)."""
+    where it has one, else ``arange(L)`` on every line (of ``chunk[key]``'s shape)."""
     if POSITION_IDS in chunk:
         return jnp.asarray(chunk[POSITION_IDS])
     return jnp.broadcast_to(jnp.arange(chunk[key].shape[1]), chunk[key].shape[:2])

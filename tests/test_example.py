@@ -362,6 +362,24 @@ def test_chunk_tokens_trains_as_row_chunks_do(straight_run, tmp_path, capsys):
     assert "--chunk-tokens 128, not 256" in capsys.readouterr().err
 
 
+def test_pack_tokens_trains_as_row_chunks_do(straight_run, tmp_path, capsys):
+    """``--pack-tokens``: the first steps of the straight run, with rows packed into
+    lines by a gc_jax.TokenPacking (the encoder reads the packing keys)."""
+    straight_dir, _ = straight_run
+    directory = tmp_path / "packed"
+    dual_encoder.main([*RUN_FLAGS, "--pack-tokens", "256", "--stop-at", "2",
+                       "--checkpoint-dir", str(directory)])  # fmt: skip
+    losses, rows = _train_losses(directory), _train_losses(straight_dir)[:2]
+    np.testing.assert_allclose(losses[0], rows[0], rtol=1e-5)  # the same parameters
+    np.testing.assert_allclose(losses, rows, rtol=1e-4)  # after one Adam step on equal grads
+    assert run_dir.read_run_config(directory)["flags"]["pack_tokens"] == 256
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        dual_encoder.parse_args(dual_encoder.build_parser(), [*RUN_FLAGS, "--pack-tokens", "256",
+                                                              "--chunk-tokens", "256"])  # fmt: skip
+    assert "not both" in capsys.readouterr().err
+
+
 def test_an_interrupted_run_saves_its_finished_steps(tmp_path, monkeypatch, capsys):
     """SIGTERM (or Ctrl-C) mid-run: the step finishes, is checkpointed, and train returns."""
     import argparse

@@ -358,3 +358,50 @@ def test_packing_helpers_unpacked_are_the_plain_ones():
     chex.assert_trees_all_close(packing.first_token(hidden, q), hidden[:, 0])
     assert packing.attention_mask(q).shape == (6, 1, 1, PADDED)
     np.testing.assert_array_equal(packing.positions(q)[2], np.arange(PADDED))
+
+
+def test_a_model_without_the_packing_keys_is_told_what_to_read():
+    from flax import nnx
+
+    class Pool(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((VOCAB, 2)))
+
+        def __call__(self, input_ids, attention_mask):
+            return self.w[input_ids].sum(1)
+
+    model = Pool()
+    encode = gc_jax.nnx_encoder(model)
+    with pytest.raises(TypeError, match=r"does not take the keys a gc_jax\.TokenPacking adds"):
+        gc_jax.chunked_encoder(encode, PACKING)(
+            nnx.state(model, nnx.Param), text_batch(8, "short", 0)
+        )
+
+
+def test_grad_cache_class_with_a_packing():
+    """``GradCache`` with NNX modules that read the packing keys (``model(**chunk)``)."""
+    from flax import nnx
+
+    class Tower(nnx.Module):
+        def __init__(self, seed):
+            self.emb = nnx.Embed(VOCAB, WIDTH, rngs=nnx.Rngs(seed))
+            self.out = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(seed + 1))
+
+        def __call__(self, input_ids, attention_mask, **packed):
+            chunk = {"input_ids": input_ids, "attention_mask": attention_mask, **packed}
+            x = self.emb(input_ids)
+            scores = jnp.einsum("bqd,bkd->bqk", x, x)
+            x = jax.nn.softmax(jnp.where(packing.attention_mask(chunk)[:, 0], scores, -1e9)) @ x
+            return packing.mean_pool(jnp.tanh(self.out(x)), chunk)
+
+    mq, md = Tower(0), Tower(2)
+    q, d = text_batch(20, "lognormal", 22), text_batch(20, "short", 23)
+    loss, grads = gc_jax.GradCache([mq, md], PACKING, contrastive_loss)(q, d)
+    state = lambda m: nnx.state(m, nnx.Param)
+
+    def full(pq, pd):
+        rq, rd = (nnx.merge(nnx.graphdef(m), p) for m, p in ((mq, pq), (md, pd)))
+        return contrastive_loss(rq(**q), rd(**d))
+
+    want = jax.jit(jax.value_and_grad(full, argnums=(0, 1)))(state(mq), state(md))
+    chex.assert_trees_all_close((loss, grads), want, **TOL)
