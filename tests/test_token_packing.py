@@ -405,3 +405,15 @@ def test_grad_cache_class_with_a_packing():
 
     want = jax.jit(jax.value_and_grad(full, argnums=(0, 1)))(state(mq), state(md))
     chex.assert_trees_all_close((loss, grads), want, **TOL)
+
+
+def test_left_padding_and_a_lengths_callable_are_exact():
+    """A left-padded mask packs each row up to its last token (the leading padding
+    stays masked); a ``lengths=`` callable that undercounts never cuts a masked-in token."""
+    params, encoders = make_params(), towers()
+    q, d = text_batch(16, "short", 24), text_batch(16, "uniform", 25)
+    q = {k: v[:, ::-1] for k, v in q.items()}  # left padding
+    want = full_batch(loss_fn, encoders, params, q, d)
+    for chunking in [PACKING, gc_jax.TokenPacking(64, 4, lengths=lambda b: b["input_ids"][:, 0])]:
+        got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunking))(params, q, d)
+        chex.assert_trees_all_close(got, want, **TOL)
