@@ -113,14 +113,14 @@ class PackPlan(NamedTuple):
     def _lines(self, index, order, sizes, before, first, used) -> Lines:
         n, length = order.shape[0], self.padded
         line = index * self.lines + jnp.arange(self.lines)
-        real = line < used
+        in_data = line < used
         # A line past the data repeats the last line, whose slots are not written (so no
         # line is empty, whose pooled output, normalised, has a NaN gradient).
         line = jnp.minimum(line, used - 1)
         start, end = first[line], first[line + 1]
         at = start[:, None] + jnp.arange(self.segments)  # [lines, segments]
         filled = at < end[:, None]
-        valid = filled & real[:, None]
+        valid = filled & in_data[:, None]
         at = jnp.minimum(at, n - 1)
         offset = jnp.where(filled, before[at] - before[start][:, None], length)
         tokens = jnp.arange(length)
@@ -128,12 +128,12 @@ class PackPlan(NamedTuple):
         slot = jnp.maximum(slot, 0)
         take = lambda a: jnp.take_along_axis(a, slot, axis=1)
         within = tokens[None, :] - take(offset)
-        real = (within >= 0) & (within < take(sizes[at]))
+        token = (within >= 0) & (within < take(sizes[at]))  # a row's token, not padding
         row = order[at]
         source = take(row) * length + jnp.clip(within, 0, length - 1)
         return Lines(
             row, valid, jnp.where(filled, offset, 0), source,
-            jnp.where(real, slot + 1, 0), jnp.where(real, within, 0),
+            jnp.where(token, slot + 1, 0), jnp.where(token, within, 0),
         )  # fmt: skip
 
     def _trimmed(self, x: jax.Array) -> bool:
