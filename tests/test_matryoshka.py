@@ -278,3 +278,21 @@ def test_rejects_bad_calls():
         matryoshka(contrastive_loss, (8, 4), argnums=(1, 2))(x, y)
     with pytest.raises(ValueError, match=r"argument 0 .* must be a float array"):
         matryoshka(contrastive_loss, (8, 4))(jnp.ones((4, 16), jnp.int32), y)
+
+
+def test_renormalised_widths_are_recomputed_not_kept():
+    """The unit vectors of every width are rematerialised in the backward pass: at
+    4,096 x 768 with five widths, renormalising costs at most 4.5 side-sized arrays of
+    temp over ``normalize=False`` (measured 3.3 on JAX 0.12, 3.5 on 0.10; kept, they
+    took 9.6 and 7.4). Compiled only (XLA:CPU's ``memory_analysis``)."""
+    rows, width = 4096, 768
+    shape = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    loss = functools.partial(contrastive_loss, temperature=0.05, block_size=1024)
+
+    def temp(normalize):
+        mrl = matryoshka(loss, (768, 512, 256, 128, 64), normalize=normalize)
+        step = jax.jit(jax.value_and_grad(mrl, (0, 1)))
+        return step.lower(shape, shape).compile().memory_analysis().temp_size_in_bytes
+
+    extra = (temp(True) - temp(False)) / (rows * width * 4)
+    assert 0 <= extra <= 4.5, extra
