@@ -95,6 +95,39 @@ class TokenPacking:
         object.__setattr__(self, "tokens", int(self.tokens))
         object.__setattr__(self, "segments", int(self.segments))
 
+    @classmethod
+    def for_lengths(
+        cls, sample: Any, tokens: int, padded_length: int, *, lengths: Any = "attention_mask"
+    ) -> TokenPacking:
+        """A packing whose ``segments`` never limits the lines of batches like ``sample``.
+
+        ``segments`` is the most rows any line holds when the sample's batches are
+        packed without a limit (at least 2): with it, they are packed into the same
+        lines as without one; fewer may need more lines, more only adds empty output
+        slots (each slot is one output row).
+
+        Args:
+          sample: row lengths (padding excluded), ``[rows]`` for one batch or
+            ``[batches, rows]``, each row a batch as the step sees it (per device under
+            ``shard_map`` or a sharded ``jit``): e.g. ``mask.sum(-1)`` of a few batches.
+          tokens: as ``TokenPacking``.
+          padded_length: the batches' padded length (the line length).
+          lengths: as ``TokenPacking``.
+
+        Examples:
+          >>> import numpy as np, gc_jax
+          >>> lengths = np.random.default_rng(0).lognormal(np.log(40), 0.8, (8, 256))
+          >>> sample = np.clip(lengths.astype(int), 1, 256)  # 8 batches of 256 rows
+          >>> gc_jax.TokenPacking.for_lengths(sample, 4096, padded_length=256).segments
+          9
+        """
+        what = "TokenPacking.for_lengths sample"
+        array = _token_spans.checked_lengths(sample, padded_length, what, "batches")
+        cls(tokens, 2, lengths).chunk_shape(padded_length, array.shape[1])  # checks
+        most = max(len(line) for row in array for line in pack_lines(row, padded_length,
+                                                                      padded_length))  # fmt: skip
+        return cls(tokens, max(most, 2), lengths)
+
     def chunk_shape(self, padded_length: int, rows: int) -> tuple[int, int]:
         """``(lines, tokens)`` of every chunk: the one shape compiled.
 

@@ -417,3 +417,19 @@ def test_left_padding_and_a_lengths_callable_are_exact():
     for chunking in [PACKING, gc_jax.TokenPacking(64, 4, lengths=lambda b: b["input_ids"][:, 0])]:
         got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunking))(params, q, d)
         chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_for_lengths_picks_segments_that_never_limit_a_line():
+    rng = np.random.default_rng(5)
+    sample = np.clip(np.round(rng.lognormal(np.log(3), 0.8, (4, 64))), 1, PADDED).astype(int)
+    packing_ = gc_jax.TokenPacking.for_lengths(sample, 64, PADDED)
+    assert packing_.segments == max(
+        len(line) for row in sample for line in _token_packing.pack_lines(row, PADDED, PADDED)
+    )
+    for row in sample:  # the lines of a packing without a limit
+        lines = _token_packing.pack_lines(row, PADDED, PADDED)
+        assert _token_packing.pack_lines(row, PADDED, packing_.segments) == lines
+    with pytest.raises(ValueError, match="for_lengths sample has lengths"):
+        gc_jax.TokenPacking.for_lengths([[PADDED + 1]], 64, PADDED)
+    with pytest.raises(ValueError, match="smaller than one line"):
+        gc_jax.TokenPacking.for_lengths(sample, 8, PADDED)
