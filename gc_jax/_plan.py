@@ -162,3 +162,24 @@ def make(
     if axis_name is not None:
         rng = _keys.device_key(rng, jax.lax.axis_index(axis_name))
     return Planned(batch, plan, rng if index is None else _keys.input_key(rng, index))
+
+
+def trimming_error(chunk_size: ChunkSize, index: int, details: Any) -> str:
+    """What ``gc_jax.testing`` says when input ``index``'s encoder gives other outputs
+    for the chunks ``chunk_size`` (a budget or a packing) cuts than for the batch whole."""
+    if isinstance(chunk_size, TokenPacking):
+        return (
+            f"encoders[{index}] gives other outputs for the TokenPacking's packed chunks of "
+            f"inputs[{index}] than for the batch unpacked: a token must attend only to its "
+            "own row (gc_jax.packing.attention_mask), count its position in its row "
+            "(gc_jax.packing.positions) and each row be pooled on its own "
+            "(gc_jax.packing.mean_pool or first_token), so gradient caching with this "
+            f"packing is not exact. Details: {details}"
+        )
+    return (
+        f"encoders[{index}] gives other outputs for the TokenBudget's chunks of "
+        f"inputs[{index}] trimmed to their bucket's length than at the padded length: its "
+        "output depends on trailing padding (e.g. a mean over every position, or a "
+        "lengths= that undercounts the tokens it attends to), so gradient caching with "
+        f"this budget is not exact. Details: {details}"
+    )

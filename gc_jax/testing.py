@@ -18,7 +18,6 @@ import jax
 from gc_jax import _plan, _validation
 from gc_jax._base import PyTree
 from gc_jax._plan import ChunkSize
-from gc_jax._token_packing import TokenPacking
 
 
 def _full_batch_reps(encode, params, x, chunk_size, rng, index):
@@ -56,22 +55,7 @@ def _check_trimming(encoders, chunk_size, params, inputs, rtol, atol) -> None:
         try:
             chex.assert_trees_all_close(trimmed, padded, rtol=rtol, atol=atol)
         except AssertionError as err:
-            if isinstance(s, TokenPacking):
-                raise AssertionError(
-                    f"encoders[{i}] gives other outputs for the TokenPacking's packed chunks "
-                    f"of inputs[{i}] than for the batch unpacked: a token must attend only "
-                    "to its own row (gc_jax.packing.attention_mask), count its position in "
-                    "its row (gc_jax.packing.positions) and each row be pooled on its own "
-                    "(gc_jax.packing.mean_pool or first_token), so gradient caching with "
-                    f"this packing is not exact. Details: {err}"
-                ) from err
-            raise AssertionError(
-                f"encoders[{i}] gives other outputs for the TokenBudget's chunks of "
-                f"inputs[{i}] trimmed to their bucket's length than at the padded length: "
-                "its output depends on trailing padding (e.g. a mean over every position, "
-                "or a lengths= that undercounts the tokens it attends to), so gradient "
-                f"caching with this budget is not exact. Details: {err}"
-            ) from err
+            raise AssertionError(_plan.trimming_error(s, i, err)) from err
 
 
 def full_batch_value_and_grad(

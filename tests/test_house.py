@@ -10,7 +10,8 @@
 3. **Small modules.** No module is longer than :data:`MAX_LINES`.
 4. **One kind test.** Only the plan factory (``gc_jax._plan``) asks whether a chunk
    plan or ``chunk_size`` is of a kind (``isinstance`` on ``ChunkPlan``,
-   ``TokenPlan`` or ``TokenBudget``): everything else calls the plan protocol.
+   ``TokenPlan``, ``PackPlan``, ``TokenBudget`` or ``TokenPacking``): everything else
+   calls the plan protocol.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gc_jax"
 MAX_LINES = 420
-KINDS = {"ChunkPlan", "TokenPlan", "TokenBudget"}
+KINDS = {"ChunkPlan", "TokenPlan", "PackPlan", "TokenBudget", "TokenPacking"}
 
 
 @cache
