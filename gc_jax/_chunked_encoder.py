@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _distributed, _passes, _plan, _validation
-from gc_jax._base import AxisName, Encoder, PyTree
+from gc_jax._base import AxisName, Encoder, EncoderView, PyTree
 from gc_jax._plan import ChunkSize
 
 
@@ -34,6 +34,7 @@ class _Config:
     chunk_size: _plan.ChunkSize
     policy: Any
     batch_axis: Any
+    view: EncoderView = "auto"
 
 
 @jax.tree_util.register_static
@@ -56,7 +57,7 @@ def _input(config: _Config, params: PyTree, batch: PyTree, key, wrt=()) -> _pass
         wrt=wrt,
         policy=config.policy,
     )
-    return _passes.per_device([inp], params)[0]  # jit over a mesh: one all-reduce
+    return _passes.per_device([inp], params, config.view)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -169,6 +170,7 @@ def chunked_encoder(
     *,
     policy: Callable[..., bool] | None = None,
     batch_axis: AxisName | None = None,
+    encoder_view: EncoderView = "auto",
 ) -> Callable[..., PyTree]:
     """Wraps an encoder so that any JAX differentiation through it is gradient-cached.
 
@@ -195,6 +197,10 @@ def chunked_encoder(
       batch_axis: under plain ``jit`` with *auto* mesh axes, the mesh axes the batch
         is sharded over (under ``jax.set_mesh``), so that every device encodes its
         rows of every chunk at once. Not needed under explicit axes.
+      encoder_view: under ``jit`` over a sharded batch, ``"local"`` (each device
+        encodes its rows as plain local arrays), ``"global"`` (the chunk spans the
+        devices: the encoder's own sharding annotations, e.g. FSDP) or ``"auto"``
+        (local where it can); as in :func:`gc_jax.cached_value_and_grad`.
 
     Returns:
       ``encode_batch(params, batch, key=None) -> reps``. Chunk ``c`` is encoded with
@@ -224,7 +230,8 @@ def chunked_encoder(
     chunk_size = _plan.check(chunk_size, "chunk_size")
     if policy is not None:
         _validation.callable_arg(policy, "policy")
-    config = _Config(encode, chunk_size, policy, batch_axis)
+    view = _validation.encoder_view(encoder_view)
+    config = _Config(encode, chunk_size, policy, batch_axis, view)
 
     def encode_batch(params: PyTree, batch: PyTree, key: jax.Array | None = None) -> PyTree:
         _validation.rng_key(key, "key")

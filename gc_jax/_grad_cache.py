@@ -31,7 +31,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gc_jax import _flax, _plan, _validation, _value_and_grad
-from gc_jax._base import AxisName, PyTree
+from gc_jax._base import AxisName, EncoderView, PyTree
 from gc_jax._plan import ChunkSize
 
 
@@ -134,6 +134,8 @@ class GradCache:
         the sharding is read from the array types (as ``cached_value_and_grad``).
       cache_dtype: dtype of the cached float representations (default: the models'
         own output dtype), as ``cached_value_and_grad``.
+      encoder_view: ``"auto"``, ``"local"`` or ``"global"``: how the models see a
+        chunk under ``jit`` over a sharded batch, as ``cached_value_and_grad``.
 
     Model inputs are passed as in the original: an array ``x`` as ``model(x)``, a list
     or tuple as ``model(*x)``, a dict as ``model(**x)``; every leaf is a batch.
@@ -184,6 +186,7 @@ class GradCache:
         axis_name: AxisName | None = None,
         batch_axis: AxisName | None = None,
         cache_dtype: DTypeLike | None = None,
+        encoder_view: EncoderView = "auto",
     ):
         self.models = [models] if isinstance(models, nnx.Module) else list(models)
         if not self.models:
@@ -208,6 +211,7 @@ class GradCache:
         self.split_input_fn, self.get_rep_fn = split_input_fn, get_rep_fn
         self.has_aux, self.axis_name, self.batch_axis = has_aux, axis_name, batch_axis
         self.cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
+        self.encoder_view = _validation.encoder_view(encoder_view)
         self._unique = tuple({id(m): m for m in self.models}.values())
         self._slot = tuple(
             next(j for j, u in enumerate(self._unique) if u is m) for m in self.models
@@ -239,6 +243,7 @@ class GradCache:
             axis_name=self.axis_name,
             batch_axis=self.batch_axis,
             cache_dtype=self.cache_dtype,
+            encoder_view=self.encoder_view,
         )
         return f(params, *inputs, rng=rng, **dyn_kwargs, **dict(static_kwargs))
 

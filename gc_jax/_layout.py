@@ -108,29 +108,21 @@ class Layout(NamedTuple):
 
     @property
     def per_device(self) -> bool:
-        """Whether the rows are split over devices under ``jit`` (see :func:`stack`)."""
+        """Whether the rows are split over devices under ``jit`` (see :meth:`stack`)."""
         return self.mesh is not None and self.shards > 1
 
-    def stacked_spec(self, x: jax.Array, split: bool) -> PartitionSpec:
-        """Spec of ``x`` with a leading shard axis over ``axes`` (``split``: made from
-        ``x``'s rows). Other dims keep ``x``'s explicit sharding (model parallelism);
-        under auto axes the compiler chooses them."""
-        ndim = x.ndim - 1 if split else x.ndim
-        if self.kind == "explicit":
-            spec = (*typed_spec(x), *(None,) * x.ndim)[: x.ndim]
-            rest = spec[1:] if split else spec
-        else:
-            rest = (PartitionSpec.UNCONSTRAINED,) * ndim
-        return PartitionSpec(self.axes, *((None,) if split else ()), *rest)
-
-    def split(self, x: jax.Array) -> jax.Array:
-        """Rows ``[shards * n, ...]`` as ``[shards, n, ...]``: each device's rows, on it."""
-        return self.place(x.reshape(self.shards, -1, *x.shape[1:]), self.stacked_spec(x, True))
-
     def stack(self, x: jax.Array) -> jax.Array:
-        """``x`` repeated along a new leading shard axis: each device holds its copy."""
+        """``x`` repeated along a new leading shard axis: each device holds its copy.
+
+        Other dims keep ``x``'s explicit sharding (model parallelism); under auto axes
+        the compiler chooses them.
+        """
         stacked = jnp.broadcast_to(x[None], (self.shards, *x.shape))
-        return self.place(stacked, self.stacked_spec(x, False))
+        if self.kind == "explicit":
+            rest = (*typed_spec(x), *(None,) * x.ndim)[: x.ndim]
+        else:
+            rest = (PartitionSpec.UNCONSTRAINED,) * x.ndim
+        return self.place(stacked, PartitionSpec(self.axes, *rest))
 
     @property
     def shards_sharding(self) -> NamedSharding | None:
@@ -157,10 +149,6 @@ class Layout(NamedTuple):
             return x
         rest = (*spec[1:], *(None,) * x.ndim)[: x.ndim - 1]
         return jax.sharding.reshard(x, NamedSharding(self.mesh, PartitionSpec(self.axes, *rest)))
-
-    def shard_index(self) -> jax.Array:
-        """``[0, 1, ..., shards - 1]``, each device holding its own shard's number."""
-        return self.place(jnp.arange(self.shards), PartitionSpec(self.axes))
 
 
 SINGLE = Layout()

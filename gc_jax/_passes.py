@@ -18,7 +18,7 @@ carried through the encoder) are cached as they are and get no gradient.
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _keys, _layout, _narrow, _plan, _validation
-from gc_jax._base import Encoder, PyTree
+from gc_jax import _device_view, _distributed, _keys, _layout, _narrow, _plan, _validation
+from gc_jax._base import Encoder, EncoderView, PyTree
 
 
 class Input(NamedTuple):
@@ -76,38 +76,37 @@ def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=No
     return Input(encode, plan.pack(batch, wrt), plan, key, wrt, policy, name)
 
 
-def per_device(inputs: list[Input], params: PyTree) -> list[Input]:
+def per_device(inputs: list[Input], params: PyTree, view: EncoderView = "auto") -> list[Input]:
     """``inputs`` set to encode each device's rows on their own, where they can.
 
-    Under ``jit`` over a mesh, a chunk holds every device's rows; its parameter
-    gradient is a sum over all of them, which the compiler all-reduces chunk by chunk
-    (or once per loop and per input). Encoded *per device* (``vmap`` over the shards,
-    with each device's own copy of the parameters: :meth:`Layout.stack
-    <gc_jax._layout.Layout.stack>`), every chunk's gradient stays on its device,
-    and the step all-reduces once. Device ``s``'s rows of chunk ``c`` get the key
-    ``fold_in(key_c, s)``, in both passes.
-
-    Every input must be split the same way over more than one device, no parameter
-    sharded over those mesh axes (FSDP), and every encoder vmappable (else a warning
-    names it): else the inputs are kept as they are (one chunk spans the devices),
-    with the same gradients.
+    Under ``jit`` over a mesh, a chunk holds every device's rows. Encoded *per device*
+    (``shard_map`` over the batch axes, with each device's own copy of the parameters:
+    :meth:`Layout.stack <gc_jax._layout.Layout.stack>`), every chunk's gradient stays
+    on its device, and the step all-reduces once. Device ``s``'s rows of chunk ``c``
+    get the key ``fold_in(key_c, s)``, in both passes. See :data:`EncoderView` for
+    when; the gradients are the same either way.
     """
     layouts = {(inp.plan.layout.mesh, inp.plan.layout.axes) for inp in inputs}
     layout = inputs[0].plan.layout
-    if len(layouts) > 1 or not layout.per_device or not _layout.stackable(params, layout):
+    why_not = _device_view.why_not_local(layouts, layout, params)
+    if view == "global" or (why_not and view == "auto"):
         return inputs
+    if why_not:
+        raise ValueError(f"encoder_view='local' cannot be used here: {why_not}.")
     chosen = [inp._replace(per_device=True) for inp in inputs]
-    for inp in chosen:
+    for inp, spanning in zip(chosen, inputs, strict=True):
         try:
-            output_shapes(inp, params)  # traces the vmap of the encoder
-        except NotImplementedError as e:  # a primitive without a batching rule
-            warnings.warn(
-                f"{inp.name} cannot be vmapped over the devices' rows of a chunk ({e}); "
-                "each chunk spans the devices instead: the same gradients, all-reduced "
-                "chunk by chunk, and dropout keys fold_in(rng, c) without the device. Make "
-                "the encoder vmappable (e.g. jax.pure_callback(..., vmap_method="
-                "'sequential')) for one all-reduce per step.",
-                stacklevel=2,
+            output_shapes(inp, params)  # traces the encoder under shard_map
+        except Exception:
+            if view == "local":
+                raise
+            # Written for the global view (annotations naming the batch axes): keep it
+            # so, if it traces there; else this raises the error of that view too.
+            output_shapes(spanning, params)
+            logging.getLogger("gc_jax").info(
+                "%s does not trace on each device's rows; its chunks span the devices "
+                "(encoder_view='global').",
+                inp.name,
             )
             return inputs
     return chosen
@@ -145,7 +144,8 @@ def _encoder(
         if any(inp.wrt):
             chunk = _replace(chunk, inp.wrt, diff)
         if inp.per_device:
-            reps = _encode_per_device(inp, encode, params, chunk, _key(inp, c), stacked)
+            layout, key = inp.plan.layout, _key(inp, c)
+            reps = _device_view.encode_local(layout, encode, params, chunk, key, stacked, inp.name)
         else:
             reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
             reps = jax.tree.map(inp.plan.layout.rows_split, reps)
@@ -155,20 +155,6 @@ def _encoder(
         return reps
 
     return f
-
-
-def _encode_per_device(inp: Input, encode, params, chunk, key, stacked: bool) -> PyTree:
-    """Each device's rows of ``chunk`` encoded on their own: ``vmap`` over the shards."""
-    layout = inp.plan.layout
-
-    def one(p, rows, s):
-        k = _keys.device_key(key, s)
-        return _validation.call_encoder(encode, p, rows, k, inp.name)
-
-    shards = jax.tree.map(layout.split, chunk)
-    run = jax.vmap(one, in_axes=(0 if stacked else None, 0, 0), spmd_axis_name=layout.axes)
-    reps = run(params, shards, layout.shard_index())
-    return jax.tree.map(lambda r: r.reshape(-1, *r.shape[2:]), reps)
 
 
 def _diff(inp: Input, c) -> list:

@@ -29,7 +29,7 @@ from flax.training import train_state as flax_train_state
 from jax.typing import DTypeLike
 
 from gc_jax import _loss_scale, _optimizer_update, _validation
-from gc_jax._base import AxisName, Encoder
+from gc_jax._base import AxisName, Encoder, EncoderView
 from gc_jax._loss_scale import DynamicLossScale
 from gc_jax._plan import ChunkSize
 from gc_jax._value_and_grad import cached_value_and_grad
@@ -138,12 +138,13 @@ def make_train_step(
     growth_interval: int = 2000,
     check_finite: bool | str = False,
     cache_dtype: DTypeLike | None = None,
+    encoder_view: EncoderView = "auto",
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """A pure training step with cached (chunked) gradients.
 
     The gradient is ``gc_jax.cached_value_and_grad(loss_fn, encoders, chunk_size)``
     (see there for ``loss_fn``, ``encoders``, ``chunk_size``, ``has_aux``,
-    ``axis_name``, ``batch_axis`` and ``cache_dtype``); this adds the optimizer
+    ``axis_name``, ``batch_axis``, ``cache_dtype`` and ``encoder_view``); this adds the optimizer
     update and the bookkeeping around it.
 
     The optimizer's ``update`` gets the keywords its signature takes (all of them
@@ -282,6 +283,7 @@ def make_train_step(
         axis_name=axis_name,
         batch_axis=batch_axis,
         cache_dtype=cache_dtype,
+        encoder_view=encoder_view,
     )
 
     def train_step(state, *inputs, rng=None, **loss_kwargs):

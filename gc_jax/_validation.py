@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from gc_jax import _layout
-from gc_jax._base import PyTree
+from gc_jax._base import EncoderView, PyTree
 
 
 def _is_int(value: Any) -> bool:
@@ -274,3 +274,17 @@ def picked_rep(get_rep: Callable[[Any], PyTree] | None, out: Any, name: str) -> 
         "representation out of it, e.g. get_rep=lambda out: out['pooled_output'] or "
         "get_rep=lambda out: out[:, 0] (first token)."
     )
+
+
+ENCODER_VIEWS = ("auto", "local", "global")
+
+
+def encoder_view(value: Any) -> EncoderView:
+    """Checks an ``encoder_view`` argument."""
+    if value not in ENCODER_VIEWS:
+        raise ValueError(
+            f"encoder_view must be one of {ENCODER_VIEWS}, got {value!r}: 'local' encodes "
+            "each device's rows on their own (data parallel), 'global' lets the chunk span "
+            "the devices (the encoder's own sharding, e.g. FSDP), 'auto' picks."
+        )
+    return value

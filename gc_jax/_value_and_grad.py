@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from gc_jax import _distributed, _layout, _loss_scale, _passes, _plan, _validation
-from gc_jax._base import AxisName, Encoder, PyTree
+from gc_jax._base import AxisName, Encoder, EncoderView, PyTree
 from gc_jax._plan import ChunkSize
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
@@ -174,6 +174,7 @@ def cached_value_and_grad(
     axis_name: AxisName | None = None,
     batch_axis: AxisName | None = None,
     cache_dtype: DTypeLike | None = None,
+    encoder_view: EncoderView = "auto",
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad`` of a loss over encoded batches, with chunked memory.
 
@@ -205,6 +206,12 @@ def cached_value_and_grad(
         half of float32. A narrower dtype saves memory at the cost of rounding the
         representations; a wider one only costs memory. It must be a real float
         dtype (a ``TypeError`` otherwise).
+      encoder_view: under ``jit`` over a batch split across devices, whether each
+        device encodes its own rows as plain local arrays (``"local"``: data
+        parallel; an embedding lookup needs no annotation) or the chunk spans the
+        devices as a sharded global array (``"global"``: the encoder's own sharding
+        annotations apply, e.g. FSDP). ``"auto"`` (default): local where it can, else
+        global. The gradients are the same; see :doc:`/scaling_out`.
 
     Returns:
       ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``
@@ -237,6 +244,7 @@ def cached_value_and_grad(
     encoders = _encoders(encoders)
     chunk_size = _plan.check_all(chunk_size)
     cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
+    encoder_view = _validation.encoder_view(encoder_view)
 
     @_layout.types_mesh
     def value_and_grad_fn(
@@ -260,7 +268,7 @@ def cached_value_and_grad(
         _distributed.check_split_alike(  # after _inputs has checked every leaf is an array
             {f"inputs[{i}]": x for i, x in enumerate(inputs)}, _distributed.typed_axes(axis_name)
         )
-        planned = _passes.per_device(planned, params)  # jit over a mesh: one all-reduce
+        planned = _passes.per_device(planned, params, encoder_view)
         keep_all, keep_last = _kept_vjps(planned)
         reps, kept = (), []
         for i, inp in enumerate(planned):

@@ -49,19 +49,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _passes, _validation
+from gc_jax import _distributed, _layout, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
 
-def _input(encode: Encoder, chunk: PyTree, key) -> _passes.Input:
-    """The sub-batch as one chunk of the passes, encoded with the user's own ``key``."""
+def _input(encode: Encoder, params: PyTree, chunk: PyTree, key) -> _passes.Input:
+    """The sub-batch as one chunk of the passes, encoded with the user's own ``key``.
+
+    Under ``jit`` over a sharded sub-batch each device encodes its own rows (as every
+    form does: ``_passes.per_device``); the chunk is then the device's rows.
+    """
     rows = _validation.leading_size(chunk, "chunk")
+    shards = _layout.layout_of(chunk, name="chunk")[1].array_shards
     fixed_key = lambda params, x, _: encode(params, x, key)
-    return _passes.make_input(fixed_key, chunk, rows, None, name="encode", batch_name="chunk")
+    inp = _passes.make_input(
+        fixed_key, chunk, rows // shards, None, name="encode", batch_name="chunk"
+    )
+    return _passes.per_device([inp], params)[0]
 
 
 def _pullback(encode: Encoder, params: PyTree, chunk: PyTree, key, rep_grad: PyTree) -> PyTree:
-    inp = _input(encode, chunk, key)
+    inp = _input(encode, params, chunk, key)
     acc, _ = _passes.backward([inp], params, [rep_grad], _passes.grad_buffer(params))
     return _passes.param_grads(acc, params)
 
@@ -97,7 +105,7 @@ def cached(encode: Encoder) -> Callable[..., tuple[PyTree, jax.tree_util.Partial
 
     @functools.wraps(encode)
     def forward(params: PyTree, chunk: PyTree, key: jax.Array | None = None):
-        reps = _passes.forward(_input(encode, chunk, key), params)[0]
+        reps = _passes.forward(_input(encode, params, chunk, key), params)[0]
         return reps, jax.tree_util.Partial(pull, params, chunk, key)
 
     return forward

@@ -6,6 +6,7 @@ single-device full-batch ``jax.value_and_grad`` over the concatenated batch.
 
 import contextlib
 import re
+import warnings
 
 import chex
 import jax
@@ -204,11 +205,11 @@ def test_parameters_sharded_over_the_batch_axes_are_not_copied_per_device():
     assert got[1]["w2"].sharding.is_equivalent_to(params["w2"].sharding, 2)
 
 
-def test_an_encoder_that_cannot_be_vmapped_spans_the_devices_with_a_warning():
-    """A primitive without a batching rule (a pure_callback without ``vmap_method``):
-    per-device encoding cannot trace, so the chunks span the devices (exact), and a
-    warning says why and what to change. The callback's result is typed unsharded;
-    gc_jax splits its rows again."""
+def test_an_encoder_with_a_host_callback_is_encoded_per_device():
+    """A ``pure_callback`` without ``vmap_method`` (no batching rule): each device
+    encodes its rows under ``shard_map``, which needs none, so nothing warns and the
+    gradient is exact. The callback's result is typed unsharded; gc_jax splits its
+    rows again."""
 
     def enc(params, x, key):  # e.g. host-side features; the result type loses the sharding
         x = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
@@ -216,6 +217,7 @@ def test_an_encoder_that_cannot_be_vmapped_spans_the_devices_with_a_warning():
 
     mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(AxisType.Explicit,))
     step = jax.jit(gc_jax.cached_value_and_grad(make_loss(), enc, 2))
-    with pytest.warns(UserWarning, match="cannot be vmapped.*vmap_method"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         got = step(make_params(), *sharded(mesh, *global_batch(1)))
     chex.assert_trees_all_close(got, expected(1), rtol=2e-5, atol=2e-6)
