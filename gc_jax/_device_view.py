@@ -62,3 +62,15 @@ def why_not_local(layouts: set, layout: _layout.Layout, params: PyTree) -> str |
             "encoder_view='global' or 'auto'"
         )
     return None
+
+
+def explain(error: Exception) -> None:
+    """Adds to an error raised while tracing the encoder on each device's rows what
+    commonly causes it there, and what to do."""
+    error.add_note(
+        "gc_jax traced the encoder on each device's rows under shard_map over the batch "
+        "axes (encoder_view='local'). There an encoder cannot close over arrays typed on "
+        "explicit mesh axes (pass them in params), nor name the batch axes in sharding "
+        "annotations; use encoder_view='global' (or 'auto') for such an encoder: the chunk "
+        "then spans the devices, as under plain jit."
+    )

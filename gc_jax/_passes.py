@@ -97,8 +97,9 @@ def per_device(inputs: list[Input], params: PyTree, view: EncoderView = "auto") 
     for inp, spanning in zip(chosen, inputs, strict=True):
         try:
             output_shapes(inp, params)  # traces the encoder under shard_map
-        except Exception:
+        except Exception as e:
             if view == "local":
+                _device_view.explain(e)
                 raise
             # Written for the global view (annotations naming the batch axes): keep it
             # so, if it traces there; else this raises the error of that view too.
