@@ -7,16 +7,18 @@ rather than by editing ``sys.path``, from the repository root::
 
     PYTHONPATH=examples python -m benchmarks.paper_experiment
     PYTHONPATH=examples python -m benchmarks.token_budget
+    PYTHONPATH=examples python -m benchmarks.fsdp_pod
 
 The model, tokenizer, data and evaluation are then the example's own, not copies.
 """
 
 from __future__ import annotations
 
-_MODULES = {"dual_encoder", "retrieval_data"}
+_MODULES = {"dual_encoder", "large_embedder", "retrieval_data"}
 
 try:
     import dual_encoder
+    import large_embedder
     import retrieval_data
 except ModuleNotFoundError as err:
     if err.name not in _MODULES:
@@ -28,4 +30,4 @@ except ModuleNotFoundError as err:
         name=err.name,
     ) from err
 
-__all__ = ["dual_encoder", "retrieval_data"]
+__all__ = ["dual_encoder", "large_embedder", "retrieval_data"]

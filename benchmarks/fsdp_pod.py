@@ -9,15 +9,19 @@ sharded like them) or with LoRA (bfloat16 base, frozen; adapters trained). Queri
 Steps compared, at a global batch of ``pairs``:
 
 * ``plain``: ``jax.value_and_grad`` of the loss over the whole batch (per-layer remat).
-* ``gc``: ``gc_jax.cached_value_and_grad`` with ``--chunk`` rows per device per chunk;
-  the weights gathered layer by layer inside every chunk (``encoder_view="global"``).
+* ``gc``: ``gc_jax.cached_value_and_grad`` with ``--chunk`` query rows (and twice as
+  many document rows: the same pairs) per device per chunk; the weights gathered layer
+  by layer inside every chunk (``encoder_view="global"``).
+* ``gc-local``: the same, the weights gathered whole once per step and each device
+  encoding its own rows (``encoder_view="local"``); full fine-tuning only.
 
 For each: whether the compiler accepts it, the per-chip memory by the buffer assignment
 (arguments + outputs + preallocated temp), and every collective of the step with its
 bytes per chip, counted through the loops' trip counts (the layer scan inside the chunk
 loops), split into what runs per chunk and per step.
 
-    python -m benchmarks.fsdp_pod --size 0.6b --topology v5e:16x16 --pairs 4096 --chunk 8
+    PYTHONPATH=examples python -m benchmarks.fsdp_pod --size 0.6b --topology v5e:16x16 \\
+        --pairs 4096 --chunk 8
 
 Results are appended to ``benchmarks/results/fsdp_pod.json``.
 """
@@ -27,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -39,10 +42,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from benchmarks import common
+from benchmarks import common, example_modules
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import large_embedder as le
+le = example_modules.large_embedder
 
 RESULTS = Path(__file__).parent / "results" / "fsdp_pod.json"
 CHIPS = {  # topology name -> (config, host bounds, chips, HBM GiB the compiler offers)
@@ -59,12 +61,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--size", choices=["0.6b", "4b", "8b"], default="0.6b")
     parser.add_argument("--topology", choices=sorted(CHIPS), default="v5e:16x16")
     parser.add_argument("--pairs", type=int, nargs="+", default=[4096])
-    parser.add_argument("--chunk", type=int, default=8, help="rows per device per chunk")
-    parser.add_argument("--steps", nargs="+", choices=["plain", "gc"], default=["plain", "gc"])
+    parser.add_argument(
+        "--chunk", type=int, default=8,
+        help="query rows per device per chunk (documents: twice as many, the same pairs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", nargs="+", choices=["plain", "gc", "gc-local"], default=["plain", "gc"]
+    )
     parser.add_argument("--train", choices=["full", "lora"], default="full")
     parser.add_argument("--query-tokens", type=int, default=64)
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--hlo-dir", type=Path, default=None, help="save each optimised HLO")
+    parser.add_argument("--report", action="store_true", help="print the results' table")
     return parser.parse_args(argv)
 
 
@@ -75,7 +83,7 @@ def mesh_of(topology: str) -> Mesh:
 
 
 def trained_and_frozen(size: le.Size, train: str) -> tuple:
-    """Shapes of what is trained and what is frozen: the float32 base and zero adapters
+    """Shapes of what is trained and what is frozen: the float32 base and no adapters
     (``full``), or the adapters and a bfloat16 base (``lora``)."""
     base, lora = le.base_shapes(size), le.lora_shapes(size)
     if train == "full":
@@ -85,7 +93,7 @@ def trained_and_frozen(size: le.Size, train: str) -> tuple:
 
 def _encoder(size: le.Size, train: str, frozen):
     if train == "full":
-        return lambda p, batch, key=None: le.encode(size, p, frozen, batch, key)
+        return lambda p, batch, key=None: le.encode(size, p, None, batch, key)
     return lambda p, batch, key=None: le.encode(size, frozen, p, batch, key)
 
 
@@ -97,10 +105,13 @@ def make_step(kind: str, size: le.Size, train: str, chunk: int):
         if kind == "plain":
             total = lambda p: le.loss_fn(p, encode(p, q), encode(p, d))
             loss, grads = jax.value_and_grad(total)(params)
-        else:
+        else:  # a chunk holds the same pairs' queries and documents
+            view = "global" if kind == "gc" else "local"
             grad_fn = gc_jax.cached_value_and_grad(
-                le.loss_fn, encode, chunk_size=chunk, encoder_view="global"
+                le.loss_fn, encode, chunk_size=(chunk, 2 * chunk), encoder_view=view
             )
+            if kind == "gc-local":  # the weights gathered once per step
+                params = jax.tree.map(lambda w: jax.sharding.reshard(w, P()), params)
             loss, grads = grad_fn(params, q, d)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
@@ -122,7 +133,6 @@ def inputs(mesh: Mesh, size: le.Size, train: str, pairs: int, args) -> tuple:
     replicated = lambda t: jax.tree.map(lambda _: P(), t)
     if train == "full":
         params = shapes_on(mesh, params, base_specs)
-        frozen = shapes_on(mesh, frozen, replicated(frozen))
     else:
         params = shapes_on(mesh, params, replicated(params))
         frozen = shapes_on(mesh, frozen, base_specs)
@@ -250,8 +260,54 @@ def compile_point(args, size_name: str, kind: str, pairs: int) -> dict:
     return out
 
 
+# Spec-sheet figures per chip (Google Cloud TPU pages), not measured here: peak bf16
+# FLOP/s and inter-chip interconnect bandwidth in bytes/s.
+SPEC = {"v5e": (197e12, 1600e9 / 8), "v5": (459e12, 4800e9 / 8), "v6e": (918e12, 3584e9 / 8)}
+
+
+def forward_flops(size: le.Size, tokens: int) -> float:
+    """Forward FLOPs of one sequence of ``tokens``: the layers' matmuls and attention."""
+    hd, qd, kvd = size.head_dim, size.heads * size.head_dim, size.kv_heads * size.head_dim
+    per_layer = 2 * tokens * (size.dim * (qd + 2 * kvd) + qd * size.dim + 3 * size.dim * size.ffn)
+    attention = 4 * tokens * tokens * size.heads * hd
+    return size.layers * (per_layer + attention)
+
+
+def roofline(point: dict, args) -> dict:
+    """Per chip and step: model FLOPs (full fine-tuning: 4 forwards for the plain step
+    with per-layer remat, 5 for gc_jax's), collective bytes, and the two times."""
+    size = le.SIZES[point["size"]]
+    pairs = point["pairs_per_chip"]
+    per_pair = forward_flops(size, args.query_tokens) + 2 * forward_flops(size, args.doc_tokens)
+    fwd = pairs * per_pair
+    flops = fwd * (4 if point["step"] == "plain" else 5)
+    moved = sum(v["looped"][1] + v["once"][1] for v in point["collectives"].values())
+    peak, ici = SPEC[point["topology"].split(":")[0]]
+    tokens = pairs * (args.query_tokens + 2 * args.doc_tokens)
+    return {"tokens_per_chip": tokens, "collective_bytes_per_token": moved / tokens,
+            "compute_s": flops / peak, "communication_s": moved / ici}  # fmt: skip
+
+
+def report(args) -> None:
+    """A table of every fitting point in the results, with its roofline estimate."""
+    for p in json.loads(RESULTS.read_text()):
+        if not p.get("fits"):
+            print(f"{p['size']} {p['topology']} {p['step']} {p['pairs']}: does not fit "
+                  f"({p['temp_gib']} GiB temp)")  # fmt: skip
+            continue
+        r = roofline(p, args)
+        bound = "compute" if r["compute_s"] >= r["communication_s"] else "communication"
+        print(f"{p['size']} {p['topology']} {p['train']} {p['step']} pairs {p['pairs']} "
+              f"chunk {p['chunk']}: {p['total_gib']} GiB/chip, "
+              f"{r['collective_bytes_per_token'] / 1024:.1f} KiB/token moved, "
+              f"compute {r['compute_s']:.3f} s, communication {r['communication_s']:.3f} s "
+              f"({bound}-bound)")  # fmt: skip
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.report:
+        return report(args)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for pairs in args.pairs:
         for kind in args.steps:

@@ -8,21 +8,17 @@ for causal last-token and bidirectional mean pooling, LoRA and full fine-tuning.
 """
 
 import functools
-import sys
-from pathlib import Path
 
 import chex
 import jax
 import jax.numpy as jnp
+import large_embedder as le  # examples/ (pytest's pythonpath)
 import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import large_embedder as le
 
 SIZE = le.SIZES["tiny"]
 PAIRS, CHUNK = 32, 2
