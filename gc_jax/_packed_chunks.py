@@ -255,7 +255,9 @@ def make_plan(batch: PyTree, packing: TokenPacking, name: str,
     _token_chunks.warn_float_columns(batch, padded, name, packing)
     lines, _ = packing.chunk_shape(padded, batch_size // num_shards)
     length = _token_chunks.row_lengths(batch, packing, name).reshape(num_shards, -1)
-    length = jnp.maximum(length, 1).astype(jnp.int32)  # an empty row takes one position
+    # A row without tokens takes a line of its own, as the unpacked batch encodes it: its
+    # tokens attend to no key, so e.g. its first token's output depends on all L of them.
+    length = jnp.where(length > 0, length, padded).astype(jnp.int32)
     order = jnp.argsort(-length, axis=1, stable=True)
     sizes = jnp.take_along_axis(length, order, axis=1)
     placed, first = jax.vmap(lambda s: _place(s, padded, packing.segments))(sizes)

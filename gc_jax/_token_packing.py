@@ -31,7 +31,9 @@ class TokenPacking:
     ``chunk_size``), yet encodes almost no padding. Rows are sorted by length
     (longest first) and packed next-fit: a line takes rows until the next does not fit
     or it holds ``segments`` rows. A row is never split, and never cut: its tokens are
-    those before one past its mask's last nonzero position.
+    those before one past its mask's last nonzero position. A row without tokens takes
+    a line of its own, ``L`` tokens, as the batch holds it unpacked (its tokens attend
+    to no key, so e.g. its first token's output depends on all ``L`` of them).
 
     What the encoder receives: every ``[rows, L, ...]`` leaf packed to
     ``[lines, L, ...]`` (zero where no row lies), every other leaf taken per *slot*
@@ -161,12 +163,13 @@ class TokenPacking:
 
 def pack_lines(lengths: Any, line_length: int, segments: int) -> list[list[int]]:
     """The lines of one device's rows, with NumPy: each line's rows, as positions in the
-    rows sorted longest first (a row of length 0 takes one position).
+    rows sorted longest first (a row of length 0 takes a line of its own).
 
     A line takes the longest row left, then the shortest rows left while they fit and
     it has fewer than ``segments`` rows (the shortest left not fitting, none does).
     """
-    ordered = np.sort(np.maximum(np.asarray(lengths), 1), kind="stable")[::-1]
+    ordered = np.asarray(lengths)
+    ordered = np.sort(np.where(ordered > 0, ordered, line_length), kind="stable")[::-1]
     front, back, lines = 0, len(ordered) - 1, []
     while front <= back:
         lines.append([front])

@@ -28,9 +28,14 @@ import numpy as np
 
 
 def bucket_of(length: Any, bucket_lengths: tuple[int, ...], xp: Any) -> Any:
-    """Each row's bucket: the first that holds its tokens (the longest for any longer)."""
+    """Each row's bucket: the first that holds its tokens (the longest for any longer).
+
+    A row without tokens goes to the longest bucket, encoded whole as the full batch
+    encodes it: its tokens attend to no key, so e.g. its first token's output is a
+    mean over all its padding positions, which a shorter bucket would change."""
     shorter = xp.sum(length[..., None] > xp.asarray(bucket_lengths), axis=-1)
-    return xp.minimum(shorter, len(bucket_lengths) - 1)
+    last = len(bucket_lengths) - 1
+    return xp.where(length > 0, xp.minimum(shorter, last), last)
 
 
 def _ceil_div(a: Any, b: int) -> Any:

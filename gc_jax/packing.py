@@ -35,6 +35,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +45,10 @@ from gc_jax._packed_chunks import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
 MASK = "attention_mask"
 
 
-def is_packed(chunk: Mapping) -> bool:
-    """Whether ``chunk`` is a packed chunk (it has ``"segment_ids"``)."""
-    return SEGMENT_IDS in chunk
+def is_packed(chunk: Any) -> bool:
+    """Whether ``chunk`` is a packed chunk: a dict with ``"segment_ids"`` (False for an
+    array or any other batch)."""
+    return hasattr(chunk, "keys") and SEGMENT_IDS in chunk
 
 
 def attention_mask(chunk: Mapping, mask: str = MASK) -> jax.Array:
@@ -98,7 +100,8 @@ def first_token(hidden: jax.Array, chunk: Mapping) -> jax.Array:
     """Each row's first token of ``hidden [lines, L, ...]`` (e.g. ``[CLS]`` pooling).
 
     Packed: ``[lines * segments, ...]``, one row per slot (an empty slot: the line's
-    first row's). Unpacked: ``hidden[:, 0]``.
+    first row's). Unpacked: ``hidden[:, 0]``. A row without tokens is packed alone in
+    its line, so its first token is the unpacked row's too.
     """
     if not is_packed(chunk):
         return hidden[:, 0]

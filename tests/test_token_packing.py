@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from gc_jax import _packed_chunks, _token_packing, packing
+from gc_jax import _packed_chunks, _plan, _token_packing, packing
 from gc_jax.losses import contrastive_loss
 
 VOCAB, WIDTH, PADDED, LANGS = 11, 8, 16, 3
@@ -135,9 +135,10 @@ def test_one_compiled_step_for_every_length_distribution():
     assert grad_fn._cache_size() == 1
 
 
-def test_empty_rows_take_one_position():
-    """A row without tokens is packed as one masked position: finite, and its output is
-    whatever the encoder makes of no tokens (here zero: not normalised)."""
+def test_empty_rows_take_a_line_of_their_own():
+    """A row without tokens is packed alone in a line of ``L`` tokens, as the unpacked
+    batch encodes it: finite, and its output is whatever the encoder makes of no
+    tokens (here zero: not normalised)."""
     params, encoders = make_params(), towers(normalise=False)
     q, d = text_batch(24, "with_empty", 20), text_batch(24, "uniform", 21)
     assert (lengths_of(q) == 0).any()
@@ -147,6 +148,27 @@ def test_empty_rows_take_one_position():
     empty = lengths_of(q) == 0
     np.testing.assert_array_equal(reps[empty], 0.0)
     chex.assert_trees_all_close(reps[~empty], encoders[0](params, q, None)[~empty], **TOL)
+    lines = _token_packing.pack_lines(lengths_of(q), PADDED, PACKING.segments)
+    assert sum(len(line) == 1 for line in lines) >= empty.sum()  # each alone in a line
+
+
+@pytest.mark.parametrize("chunking", [PACKING, gc_jax.TokenBudget(64, (4, 8, 16))])
+def test_first_token_of_an_all_padding_row_is_exact(chunking):
+    """Issue 34 (1): a row without tokens attends to no key, so its first token's output
+    is a mean over all its ``L`` padding positions; it used to take one position of a
+    shared line (or of its shortest bucket) and mix in other rows' tokens (a loss of
+    27.64 for 27.81, gradients 25 % off). Exact now, packed and under a budget."""
+    params, encoders = make_params(), towers()  # documents: first-token pooling
+    q, d = text_batch(24, "uniform", 20), text_batch(24, "with_empty", 21, lang=True)
+    assert (lengths_of(d) == 0).sum() >= 3
+    want = full_batch(loss_fn, encoders, params, q, d)
+    got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunking))(params, q, d)
+    chex.assert_trees_all_close(got, want, **TOL)
+    reps = jax.jit(gc_jax.chunked_encoder(encoders[1], chunking))(params, d)
+    chex.assert_trees_all_close(reps, encoders[1](params, d, None), **TOL)
+    counts = chunking.chunk_counts(lengths_of(d), PADDED)  # NumPy agrees with the step
+    plan = _plan.make(d, chunking, name="d", one_device=True).plan
+    assert int(np.sum(plan.trips)) == sum(counts.values())
 
 
 def test_packs_rows_into_few_chunks():
@@ -172,7 +194,7 @@ def test_the_traced_packing_is_the_numpy_one():
         segments = int(rng.integers(2, 6))
         lengths = rng.integers(0, length + 1, n)
         lines = _token_packing.pack_lines(lengths, length, segments)
-        sizes = np.sort(np.maximum(lengths, 1))[::-1].astype(np.int32)
+        sizes = np.sort(np.where(lengths > 0, lengths, length))[::-1].astype(np.int32)
         placed, first = (np.asarray(a) for a in place(jnp.asarray(sizes), length, segments))
         ends = [*first[1 : len(lines)], n]
         assert [list(placed[f:e]) for f, e in zip(first[: len(lines)], ends, strict=True)] == lines
@@ -249,10 +271,80 @@ def test_dropout_replayed_and_the_testing_helper():
                                              **TOL)  # fmt: skip
 
 
+def breaking(mistake):
+    """``encode(tower, batch, key)``, normalised mean pooling, that breaks one packing
+    rule: ``"attention"`` across a line's rows, ``"positions"`` counted from the line's
+    start (``jnp.arange``), or its own ``"pooling"`` that leaves empty slots zero."""
+
+    def encode(p, batch, key):
+        ids = batch["input_ids"]
+        pos, mask = packing.positions(batch), packing.attention_mask(batch)[:, 0]
+        if mistake == "positions":
+            pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        if mistake == "attention":  # the padding mask only: keys of every row of the line
+            mask = jnp.broadcast_to(batch["attention_mask"][:, None, :] > 0, mask.shape)
+        x = p["emb"][ids] + jax.nn.one_hot(pos, PADDED) @ p["pos"]
+        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+        x = x + jax.nn.softmax(jnp.where(mask, jnp.einsum("bqd,bkd->bqk", q, k), -1e9)) @ v
+        if key is not None:
+            x = x * jax.random.bernoulli(key, 0.8, x.shape) / 0.8
+        pooled = packing.mean_pool(x, batch)
+        if mistake == "pooling" and packing.is_packed(batch):  # a mean per segment id
+            segments = batch["segment_starts"].shape[1]
+            slots = (batch["segment_ids"][..., None] == jnp.arange(1, segments + 1)) * 1.0
+            sums = jnp.einsum("lts,ltf->lsf", slots, x)
+            pooled = (sums / jnp.maximum(slots.sum(1), 1)[..., None]).reshape(-1, WIDTH)
+        return pooled / jnp.linalg.norm(pooled, axis=-1, keepdims=True)
+
+    return lambda p, x, key: encode(p["d"], x, key)
+
+
+BROKEN = {
+    "attention": r"rows .* of inputs\[1\] change when other rows change .* rows depend on "
+    r"each other.* attend only to its own row's tokens .*packing\.attention_mask",
+    "positions": r"inputs\[1\] than for the batch unpacked in rows .* placed after the start "
+    r"of its line.* counts positions from the line's start .*packing\.positions",
+    "pooling": r"NaN or infinite values for the empty slots .* inputs\[1\] .* zero vector "
+    r"and then normalises it.*packing\.mean_pool",
+}
+
+
+@pytest.mark.parametrize("rng", [None, 3])
+@pytest.mark.parametrize("mistake", sorted(BROKEN))
+def test_the_testing_helper_names_each_broken_packing_rule(mistake, rng):
+    """Issue 34 (4): an encoder that breaks one packing rule is refused by the checker,
+    with or without a key, in an error that names that rule and the helper to use;
+    the same encoder with the rule kept passes."""
+    params = make_params()
+    q, d = text_batch(20, "lognormal", 12), text_batch(20, "short", 13)
+    d = {k: v.at[-2:].set(jnp.where(k == "attention_mask", 1, 3)) for k, v in d.items()}
+    rng = None if rng is None else jax.random.key(rng)  # two long rows: empty slots
+    encoders = [towers()[0], breaking(mistake)]
+    check = gc_jax.testing.assert_matches_full_batch
+    with pytest.raises(AssertionError, match=BROKEN[mistake]):
+        check(loss_fn, encoders, PACKING, params, q, d, rng=rng, **TOL)
+    check(loss_fn, [towers()[0], breaking(None)], PACKING, params, q, d, rng=rng, **TOL)
+
+
+def test_the_broken_packing_rules_are_silent_in_the_step():
+    """Why the checker must name them: each broken encoder runs in the step without an
+    error, and its loss or gradients are off the full batch's (NaN for the pooling)."""
+    params = make_params()
+    q, d = text_batch(20, "lognormal", 12), text_batch(20, "short", 13)
+    d = {k: v.at[-2:].set(jnp.where(k == "attention_mask", 1, 3)) for k, v in d.items()}
+    for mistake in BROKEN:
+        encoders = [towers()[0], breaking(mistake)]
+        got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))(params, q, d)
+        want = full_batch(loss_fn, encoders, params, q, d)
+        with pytest.raises(AssertionError):
+            chex.assert_trees_all_close(got, want, **TOL)
+        assert np.isfinite(want[0])
+
+
 def test_the_testing_helper_catches_an_encoder_that_ignores_the_packing():
     params, encoders = make_params(), towers(packed=False)
     q, d = text_batch(20, "short", 12), text_batch(20, "short", 13)
-    with pytest.raises(AssertionError, match=r"packed chunks .* than for the batch unpacked"):
+    with pytest.raises(AssertionError, match=r"rows depend on each other.*attention_mask"):
         gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, PACKING, params, q, d)
 
 
