@@ -235,7 +235,7 @@ def compile_point(args, size_name: str, kind: str, pairs: int) -> dict:
     chips = CHIPS[args.topology][2]
     out = {"size": size_name, "topology": args.topology, "chips": chips, "train": args.train,
            "step": kind, "pairs": pairs, "pairs_per_chip": pairs // chips,
-           "chunk": args.chunk if kind == "gc" else None, "jax": jax.__version__}  # fmt: skip
+           "chunk": None if kind == "plain" else args.chunk, "jax": jax.__version__}  # fmt: skip
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
@@ -275,12 +275,14 @@ def forward_flops(size: le.Size, tokens: int) -> float:
 
 def roofline(point: dict, args) -> dict:
     """Per chip and step: model FLOPs (full fine-tuning: 4 forwards for the plain step
-    with per-layer remat, 5 for gc_jax's), collective bytes, and the two times."""
+    with per-layer remat, 5 for gc_jax's with more than one chunk per input; with one,
+    gc_jax does plain training), collective bytes, and the two times."""
     size = le.SIZES[point["size"]]
     pairs = point["pairs_per_chip"]
     per_pair = forward_flops(size, args.query_tokens) + 2 * forward_flops(size, args.doc_tokens)
     fwd = pairs * per_pair
-    flops = fwd * (4 if point["step"] == "plain" else 5)
+    one_chunk = point["chunk"] is not None and point["chunk"] >= pairs  # full-batch training
+    flops = fwd * (4 if point["step"] == "plain" or one_chunk else 5)
     moved = sum(v["looped"][1] + v["once"][1] for v in point["collectives"].values())
     peak, ici = SPEC[point["topology"].split(":")[0]]
     tokens = pairs * (args.query_tokens + 2 * args.doc_tokens)

@@ -36,7 +36,7 @@ the repository.
 
 Usage::
 
-    python examples/dual_encoder.py --checkpoint-dir /tmp/code_search   # tiny, 100 steps
+    python examples/dual_encoder.py --checkpoint-dir /tmp/code_search   # tiny, <= 100 steps
     python examples/dual_encoder.py --checkpoint-dir /tmp/code_search   # again: resumes
     python examples/dual_encoder.py --batch 256 --chunk 32 --compare-full-batch
     python examples/dual_encoder.py --model minilm --steps 3
@@ -92,7 +92,9 @@ class ModelDefaults:
 
 
 DEFAULTS = {
-    # 100 x 128 = 12,800 pairs: one pass over the ~12,900 training pairs, none repeated.
+    # 100 x 128 = 12,800 pairs: about one pass over the ~12,900 training pairs. Without
+    # --steps a run stops at the whole batches one pass holds (cap_default_steps), so no
+    # pair is seen twice on any corpus (a smaller one, mined from another Python, too).
     "tiny": ModelDefaults(batch=128, chunk=16, steps=100, lr=2e-3, eval_every=10),
     "minilm": ModelDefaults(batch=32, chunk=8, steps=100, lr=5e-5, eval_every=25),
 }
@@ -234,6 +236,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     saved = run_dir.read_run_config(Path(args.checkpoint_dir))
     if saved is not None:
         take_saved_flags(parser, args, saved["flags"])
+    args.default_steps = args.steps is None  # a new run may then stop before (no repeats)
     if args.model is None:
         args.model = COMMON_DEFAULTS["model"]
     for name in RUN_FLAGS:
@@ -288,6 +291,25 @@ def check_values(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}.")
     if args.eval_size < 10:
         parser.error(f"--eval-size must be at least 10, got {args.eval_size}.")
+
+
+def cap_default_steps(args: argparse.Namespace, train_pairs: int) -> None:
+    """Without ``--steps``, stops a new run at the whole batches one pass over the
+    ``train_pairs`` holds, so that no batch is seen twice: the default steps are one
+    pass over the corpus the defaults were set on, and a smaller corpus (another
+    Python's standard library) holds fewer. ``--steps`` given repeats pairs if it asks to.
+    """
+    whole = train_pairs // args.batch
+    if not getattr(args, "default_steps", False) or args.steps <= whole:
+        return
+    print(
+        f"steps: {whole}, not the default {args.steps}: {train_pairs} training pairs make "
+        f"{whole} whole batches of {args.batch}, and the default run sees no pair twice "
+        "(pass --steps to train longer)"
+    )
+    args.steps = whole
+    if args.stop_at is not None:
+        args.stop_at = min(args.stop_at, whole)
 
 
 def default_run_directory(model: str) -> Path:
@@ -449,7 +471,7 @@ def batches(num_rows: int, batch_size: int, seed: int):
 
 def make_embedder(model: SentenceEncoder) -> Callable[..., np.ndarray]:
     """``embed(encoder_params, inputs, progress=None)``: every row's embedding (no dropout)."""
-    encode = gc_jax.nnx_encoder(model)  # no key: deterministic (dropout off)
+    encode = gc_jax.nnx_encoder(nnx.view(model, deterministic=True))  # dropout off, no key
     embed_batch = jax.jit(lambda encoder_params, batch: encode(encoder_params, batch, None))
     return lambda params, inputs, progress=None: retrieval_eval.embed(
         embed_batch, params, inputs, EVAL_BATCH, progress
@@ -531,6 +553,7 @@ def open_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
             "once the first checkpoint is): pass a new --checkpoint-dir, or delete it."
         )
     pairs, split, sources = load_split(args, parser)
+    cap_default_steps(args, len(split.train))
     model, tokenizer = build_model(args.model, split.train, args.seed, args.dropout)
     directory.mkdir(parents=True, exist_ok=True)
     run_dir.save_pairs(directory / run_dir.DATA, pairs, split)
@@ -666,17 +689,15 @@ def train(
     """Trains up to ``--stop-at`` or ``--steps``, logging, evaluating and checkpointing."""
     metrics_path = Path(args.checkpoint_dir) / run_dir.METRICS
     stop = args.stop_at or args.steps
+    # Counted by hand after each step, so that the bar shows the steps done when a stop
+    # request breaks the loop (an iterated bar counts a step only when the next begins).
     progress = tqdm(
-        range(state.step, stop),
-        desc="training",
-        unit="step",
-        file=sys.stdout,
-        initial=state.step,
-        total=args.steps,
+        desc="training", unit="step", file=sys.stdout, initial=state.step, total=args.steps
     )
     with run_dir.stop_requests() as stop_request:
-        for i in progress:
+        for i in range(state.step, stop):
             _train_one_step(compiled_step, state, data, i, metrics_path, progress)
+            progress.update()
             if state.step % args.eval_every == 0 or state.step == args.steps:
                 metrics = log_evaluation(evaluate, state, metrics_path)
                 progress.write(f"step {state.step}: held-out {_metrics_line(metrics)}")

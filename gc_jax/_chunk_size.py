@@ -13,8 +13,10 @@ machine without one.
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 import re
+import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -233,12 +235,31 @@ def _largest_fitting(measure: Callable[[Any], int | None], tried: list, budget: 
 
     Candidates are compiled from the largest down and the first that fits is the
     answer: exact even where memory is not monotone in the chunk size (it is not
-    quite, on a mesh), and every candidate above it has been seen not to fit.
+    quite, on a mesh), and every candidate above it has been seen not to fit. Each
+    compile is logged at INFO (logger ``"gc_jax"``): it can take minutes.
     """
+    log = logging.getLogger("gc_jax")
+    log.info(
+        "largest_chunk_size: %s bytes per device; compiling the step for chunk sizes %s "
+        "from the largest down, until one fits",
+        f"{budget:,.0f}",
+        tried[::-1],
+    )
     measured = {}
     for i in reversed(range(len(tried))):
+        log.info("largest_chunk_size: compiling chunk_size=%r ...", tried[i])
+        tick = time.perf_counter()
         measured[i] = measure(tried[i])
-        if measured[i] is not None and measured[i] <= budget:
+        fits = measured[i] is not None and measured[i] <= budget
+        needs = "out of memory" if measured[i] is None else f"{measured[i]:,} bytes"
+        log.info(
+            "largest_chunk_size: chunk_size=%r needs %s (compiled in %.1fs): %s",
+            tried[i],
+            needs,
+            time.perf_counter() - tick,
+            "fits" if fits else "does not fit",
+        )
+        if fits:
             return i, measured
     return None, measured
 
@@ -278,7 +299,9 @@ def largest_chunk_size(
     answer: one when the largest fits, at most ``log2(n) + 2`` for ``candidates=n``
     (the powers of two below ``n``, and ``n``); each is the step's full compile time,
     so list few candidates. Larger chunks keep the matrix units busier, hence the
-    largest.
+    largest. Each compile is logged at INFO on the ``"gc_jax"`` logger (the chunk
+    size, its bytes, the seconds it took): see them with ``logging.basicConfig()``
+    and ``logging.getLogger("gc_jax").setLevel(logging.INFO)``.
 
     Args:
       make_step: ``make_step(chunk_size) -> step``, e.g.

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _passes, _plan, _validation
+from gc_jax import _distributed, _first_order, _passes, _plan, _validation
 from gc_jax._base import AxisName, Encoder, EncoderView, PyTree
 from gc_jax._plan import ChunkSize
 
@@ -87,22 +87,16 @@ def _dense(ct: Any) -> Any:
     return np.zeros(ct.shape, jax.dtypes.float0)
 
 
-@jax.custom_jvp
-def _first_order_only(tree: PyTree) -> PyTree:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(chunk_size: Any, tree: PyTree) -> PyTree:
     """``tree``; differentiating through it raises (a token budget's pass 2)."""
     return tree
 
 
 @_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-    raise ValueError(
-        "chunked_encoder(encode, TokenBudget(...)) was differentiated twice (a gradient "
-        "of a gradient, a Hessian, jax.jacfwd of jax.grad): its pass 2 loops over each "
-        "bucket's chunks a number of times known only from the data, and JAX cannot "
-        "differentiate such a loop in reverse mode. Use an integer chunk_size (every "
-        "order of derivative works there), or compute higher derivatives on a batch "
-        "without the budget."
-    )
+def _first_order_only_jvp(chunk_size, primals, tangents):
+    what = "chunked_encoder(encode, chunk_size)"
+    raise ValueError(_first_order.message(what, chunk_size, forward_mode=False))
 
 
 def _bwd(config: _Config, residuals, ct):
@@ -111,7 +105,7 @@ def _bwd(config: _Config, residuals, ct):
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
     if _plan.by_tokens(config.chunk_size):  # loops as long as the data says
-        params, batch, ct = _first_order_only((params, batch, ct))
+        params, batch, ct = _first_order_only(config.chunk_size, (params, batch, ct))
     inp = _input(config, params, batch, key, wrt.value)
     acc, (batch_grads,) = _passes.backward([inp], params, [ct], _passes.grad_buffer(params))
     grads = _passes.param_grads(acc, params)

@@ -9,6 +9,7 @@ encoder vmaps the model over the chunk's rows, each row with its own key.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -41,9 +42,36 @@ def _training_dropouts(model: Any, eqx: Any) -> list[str]:
     ]
 
 
+def _stateful(model: Any, eqx: Any) -> list[str]:
+    """Where the model has layers that use an ``eqx.nn.State`` (``eqx.nn.BatchNorm``, ...),
+    and ``"model(..., state)"`` if its ``__call__`` requires one."""
+    is_stateful = lambda x: (
+        isinstance(x, eqx.nn.StatefulLayer)
+        and not isinstance(x, eqx.nn.Sequential)  # look inside: which of its layers
+        and x.is_stateful()
+    )
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stateful)[0]
+    found = ["model" + jax.tree_util.keystr(p) for p, leaf in leaves if is_stateful(leaf)]
+    with contextlib.suppress(TypeError, ValueError):
+        state = inspect.signature(model).parameters.get("state")
+        if state is not None and state.default is state.empty:  # a required `state`
+            found.append("model(..., state)")
+    return found
+
+
 def _check_model(model: Any, params: PyTree, name: str, eqx: Any) -> None:
     if not isinstance(model, eqx.Module) or not callable(model):
         raise TypeError(f"{name}: model must be a callable equinox.Module, got {model!r}.")
+    if stateful := _stateful(model, eqx):
+        raise ValueError(
+            f"{name}: the model uses an eqx.nn.State ({', '.join(stateful[:4])}), and "
+            "stateful layers are not supported by equinox_encoder: an encoder cannot "
+            "update state, and BatchNorm in training mode would normalise each chunk with "
+            "its own statistics. Write the encoder by hand (docs/models.md, 'Any other "
+            "model'): run the model in inference mode (eqx.nn.inference_mode) on a fixed "
+            "state and return only its output, not the new state; or use "
+            "eqx.nn.LayerNorm, which needs no state."
+        )
     if not jax.tree.leaves(params):
         raise ValueError(
             f"{name}: the model has no arrays to differentiate under the filter (no "
@@ -72,6 +100,20 @@ def _per_row(call: Callable, chunk: PyTree, key: jax.Array | None) -> Any:
     return jax.vmap(call)(chunk, keys)
 
 
+def _vmap_hint(name: str, vmap: bool) -> str:
+    """What to check when the model fails on a chunk: whether it takes one example."""
+    if vmap:
+        return (
+            f"({name} calls the model once per row of the chunk (vmap=True, the default). "
+            "If the model takes a whole batch at once, pass vmap=False.)"
+        )
+    return (
+        f"({name} with vmap=False calls the model once on the whole chunk. If the model "
+        "takes one example at a time, as eqx.nn layers do, leave vmap=True (the default): "
+        "it is then vmapped over the chunk's rows.)"
+    )
+
+
 def equinox_encoder(
     model: Any,
     *,
@@ -92,8 +134,9 @@ def equinox_encoder(
     pass 2. The key is passed as ``key=`` if the model's ``__call__`` takes one;
     with ``key=None`` the model runs under ``eqx.nn.inference_mode`` (no dropout).
 
-    Stateful layers (``eqx.nn.BatchNorm`` with ``eqx.nn.State``) are not supported:
-    write the encoder by hand (see docs/models.md) with the state read, not updated.
+    Stateful layers (``eqx.nn.BatchNorm`` with ``eqx.nn.State``) are not supported
+    (a ``ValueError`` names them): write the encoder by hand (see docs/models.md)
+    with the state read, not updated.
 
     Args:
       model: the ``eqx.Module``, called as ``model(x, *, key=None)``.
@@ -111,7 +154,8 @@ def equinox_encoder(
 
     Raises:
       ValueError: if the model has ``eqx.nn.Dropout`` in training mode but its
-        ``__call__`` takes no ``key``, or no arrays to differentiate.
+        ``__call__`` takes no ``key``, stateful layers (``eqx.nn.State``), or no
+        arrays to differentiate.
       TypeError: if ``model`` is not an ``eqx.Module``; (when encoding) if
         ``get_rep`` returns something that is not an array or a pytree of arrays.
 
@@ -144,7 +188,11 @@ def equinox_encoder(
         if key is None:
             module = eqx.nn.inference_mode(module)
         call = functools.partial(_call, module, takes_key)
-        out = _per_row(call, chunk, key) if vmap else call(chunk, key)
+        try:
+            out = _per_row(call, chunk, key) if vmap else call(chunk, key)
+        except (TypeError, ValueError) as e:
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"{e}\n{_vmap_hint(name, vmap)}") from e
         return _validation.picked_rep(get_rep, out, name)
 
     return encode, params

@@ -185,6 +185,35 @@ def _batch_stats(module: nnx.Module) -> list[tuple[Any, nnx.Variable, Any]]:
     ]
 
 
+def _training_dropouts(module: nnx.Module) -> list[str]:
+    """Where ``module`` has dropout in training mode: layers with ``deterministic=False``
+    and a rate (``rate``, ``dropout_rate``) that is not zero."""
+    found = []
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module) and getattr(node, "deterministic", None) is False:
+            rate = getattr(node, "rate", getattr(node, "dropout_rate", None))
+            if not (isinstance(rate, int | float) and rate == 0):
+                found.append(".".join(map(str, path)))
+    return found
+
+
+def _check_no_training_dropout(module: nnx.Module, name: str) -> None:
+    """Raises if ``module`` (run with no key) has dropout in training mode, as a Linen
+    module with dropout on raises without ``rngs``: dropout is never turned off silently."""
+    dropouts = [".".join(filter(None, (name, p))) for p in _training_dropouts(module)]
+    if dropouts:
+        raise TypeError(
+            f"{name} has dropout in training mode ({', '.join(dropouts[:4])}) but got "
+            "key=None: dropout draws its masks from the chunk's key, and gc_jax does not "
+            "turn it off behind your back. To train with dropout, pass a key: "
+            "rng=jax.random.key(seed) to the gc_jax step (cached_value_and_grad's "
+            "function, make_train_step's train_step, GradCache), or encode_batch(params, "
+            "batch, key) for chunked_encoder. To run without it (evaluation), say so: "
+            "build the encoder from nnx.view(model, deterministic=True) (or call "
+            "model.eval() first)."
+        )
+
+
 def call_nnx(
     module: nnx.Module,
     method: str,
@@ -195,11 +224,14 @@ def call_nnx(
 ) -> PyTree:
     """Runs a freshly merged NNX module on a chunk, as :func:`nnx_encoder` does.
 
-    With a key every RNG stream is reseeded from it; without one the module runs
-    with ``deterministic=True``. Raises if the module updates its ``nnx.BatchStat``
-    variables (BatchNorm in training mode: per-chunk statistics).
+    With a key every RNG stream is reseeded from it. Without one the module must have
+    no dropout in training mode (``nnx.view(model, deterministic=True)`` turns it off;
+    otherwise this raises, naming ``rng=``) and runs with ``deterministic=True``.
+    Raises if the module updates its ``nnx.BatchStat`` variables (BatchNorm in
+    training mode: per-chunk statistics).
     """
     if key is None:
+        _check_no_training_dropout(module, name)
         with contextlib.suppress(ValueError):  # no module has `deterministic`
             module = nnx.view(module, deterministic=True)
     else:
@@ -220,6 +252,27 @@ def call_nnx(
     return (get_rep or _identity)(out)
 
 
+def _merged(graphdef: Any, params: Any, rest: nnx.State, name: str) -> nnx.Module:
+    """``nnx.merge(graphdef, params, rest)``, or an error saying what ``params`` must be."""
+    fix = (
+        "The encoder's params are the model's nnx.Param state: pass params = "
+        "nnx.state(model, nnx.Param) (or the second value of graphdef, params, rest = "
+        "nnx.split(model, nnx.Param, ...)), and after training write it back with "
+        "nnx.update(model, params)."
+    )
+    if isinstance(params, nnx.Module):
+        raise TypeError(
+            f"{name} got an nnx.Module ({type(params).__name__}) as params, not its state. " + fix
+        )
+    try:
+        return nnx.merge(graphdef, params, rest)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(
+            f"{name} got params that do not match the model it was built from "
+            f"({type(e).__name__}: {e}). {fix}"
+        ) from e
+
+
 def nnx_encoder(
     model: nnx.Module,
     *,
@@ -233,8 +286,11 @@ def nnx_encoder(
     read and never differentiated; for such state that changes between steps,
     build the encoder inside the jitted step from the model passed to it. Each
     chunk reseeds every RNG stream of the module with the chunk's key, so dropout
-    masks are replayed exactly in pass 2; with no key the module runs
-    deterministically (``nnx.view(model, deterministic=True)``).
+    masks are replayed exactly in pass 2. With no key (a step without ``rng=``,
+    ``encode(params, x, None)``), a module with dropout in training mode raises,
+    naming ``rng=``, as a Linen module does: to run it without dropout, build the
+    encoder from ``nnx.view(model, deterministic=True)`` (or call ``model.eval()``
+    first). A module without dropout in training mode runs deterministically.
 
     ``nnx.BatchNorm`` must run on its running statistics: pass
     ``nnx.view(model, use_running_average=True)`` (it shares the model's
@@ -251,7 +307,10 @@ def nnx_encoder(
 
     Raises:
       ValueError: (when encoding) if the module updates its ``nnx.BatchStat``
-        variables, i.e. computes statistics over the chunk.
+        variables, i.e. computes statistics over the chunk; or if ``params`` does
+        not match the model.
+      TypeError: (when encoding) with no key while dropout is in training mode; or
+        if ``params`` is the module itself, not ``nnx.state(model, nnx.Param)``.
 
     Examples:
       >>> import jax.numpy as jnp, gc_jax
@@ -268,13 +327,22 @@ def nnx_encoder(
       >>> encode = gc_jax.nnx_encoder(nnx.view(model, use_running_average=True))
       >>> encode(nnx.state(model, nnx.Param), jnp.ones((4, 2)), None).shape
       (4, 3)
+
+      A model with dropout: trained with a key, evaluated in eval mode:
+
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+      ...                        nnx.Dropout(0.1, rngs=nnx.Rngs(0)))
+      >>> eval_encode = gc_jax.nnx_encoder(nnx.view(model, deterministic=True))
+      >>> eval_encode(nnx.state(model, nnx.Param), jnp.ones((4, 2)), None).shape
+      (4, 3)
     """
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    name = f"nnx_encoder({type(model).__name__})"
 
     def encode(params, chunk, key):
         # A fresh copy of the captured state, so the merged module's variables
         # belong to the current trace and may be updated (RNG counters).
-        module = nnx.merge(graphdef, params, jax.tree.map(_identity, rest))
+        module = _merged(graphdef, params, jax.tree.map(_identity, rest), name)
         return call_nnx(module, method, chunk, key, get_rep)
 
     return encode

@@ -343,7 +343,8 @@ class GradCache:
           *model_inputs: one batch per model, in the order of ``models``.
           rng: PRNG key for dropout. Chunk ``c`` of input ``i`` runs with every RNG
             stream of its model reseeded with ``fold_in(fold_in(rng, i), c)``, in both
-            passes; with ``rng=None`` models run deterministically.
+            passes. With ``rng=None`` models run deterministically; one with
+            dropout in training mode raises (see ``gc_jax.nnx_encoder``).
           params: weights to use instead of the models' current ones, structured
             like ``grads`` (e.g. ``self.params``). Needed inside ``jax.jit``,
             ``pmap``, ``shard_map`` or a tree-mode ``nnx.jit``, as an argument of
@@ -366,6 +367,7 @@ class GradCache:
             ``grads``; if the number of inputs is not the number of models.
         """
         if len(model_inputs) != len(self.models):
+            _validation.key_as_input(model_inputs, "gc(queries, docs, rng=key)")
             raise ValueError(
                 f"got {len(model_inputs)} model_inputs for {len(self.models)} models; "
                 "pass exactly one input batch per model."

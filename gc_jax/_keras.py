@@ -127,6 +127,30 @@ def _check_not_updated(variables, seeds, before, after, name) -> None:
         )
 
 
+def _input_keys(model: Any) -> list[str] | None:
+    """The keys of a model that takes a dict (a functional model built on a dict of
+    ``keras.Input``), else None."""
+    try:
+        inputs = model.input
+    except (AttributeError, ValueError):  # subclassed models: no declared inputs
+        return None
+    return sorted(inputs) if isinstance(inputs, Mapping) else None
+
+
+def _check_keys(keys: list[str] | None, chunk: Any, name: str) -> None:
+    """Raises if a dict-input model's chunk lacks one of its keys."""
+    if keys is None or not isinstance(chunk, Mapping):
+        return
+    missing = [k for k in keys if k not in chunk]
+    if missing:
+        raise ValueError(
+            f"{name}: the model takes a dict with the keys {keys}, but the batch has no "
+            f"{missing} (its keys: {sorted(chunk)}); Keras cannot run the model without "
+            f"them. Add {missing} to every batch given for this input, with the same "
+            "leading batch axis as the other keys."
+        )
+
+
 def keras_encoder(
     model: Any,
     *,
@@ -211,8 +235,10 @@ def keras_encoder(
     params, state = _by_path(trainable, name), _state(rest, non_trainable, name)
     seeds = [i for i, v in enumerate(rest) if v.name == _SEED_STATE]
     takes_training = _takes_training(model)
+    keys = _input_keys(model)
 
     def encode(params, chunk, key):
+        _check_keys(keys, chunk, name)
         before = [jax.lax.stop_gradient(jnp.asarray(state[v.path], v.dtype)) for v in rest]
         values = before if key is None else _reseeded(before, seeds, key)
         kwargs = {"training": key is not None} if takes_training else {}

@@ -293,6 +293,7 @@ def make_train_step(
         else:
             trained, scale_state = _unpack_pair(state, dynamic)
             params = trained[0]
+        _validation.key_as_input(inputs, "train_step(state, queries, docs, rng=key)")
         _validation.rng_key(rng)
         scale = scale_state.scale if dynamic else loss_scale
         out, grads = grad_fn(params, *inputs, rng=rng, loss_scale=scale, **loss_kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,12 +210,40 @@ def rng_key(rng: Any, name: str = "rng") -> None:
         raise TypeError(
             f"{name} must be a JAX random key (jax.random.key(seed)) or None, got {_describe(rng)}."
         )
-    raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
-    if tuple(rng.shape) != tuple(raw):
+    raw = _raw_key_shape()
+    if tuple(rng.shape) != raw:
         raise ValueError(
             f"{name} is a raw uint32 key of shape {tuple(rng.shape)}, but raw keys of the "
             f"default PRNG implementation have shape {tuple(raw)}; pass jax.random.key(seed) "
             "(a typed key) or jax.random.PRNGKey(seed)."
+        )
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a raw key (``jax.random.PRNGKey``) of the default implementation."""
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+
+
+def is_key(value: Any) -> bool:
+    """Whether ``value`` is a JAX random key: a typed key array (``jax.random.key``), or
+    a raw uint32 key of the default implementation (``jax.random.PRNGKey``)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == np.uint32 and tuple(value.shape) == _raw_key_shape()
+
+
+def key_as_input(inputs: Sequence[Any], call: str) -> None:
+    """Raises if the last of ``inputs`` is a random key: ``rng`` passed positionally
+    (``call`` shows the right call)."""
+    if inputs and is_key(inputs[-1]):
+        raise TypeError(
+            f"the last positional argument, inputs[{len(inputs) - 1}], is a JAX random key "
+            f"({_describe(inputs[-1])}), but positional arguments are the batches to "
+            "encode, one per input (and it would be encoded as one). The dropout key is a "
+            f"keyword argument: pass it as rng=, e.g. {call}."
         )
 
 
@@ -229,6 +258,26 @@ def missing_key(name: str, error: Exception) -> TypeError:
     )
 
 
+def _signature(fn: Callable) -> str:
+    """``fn`` in a message: its name and signature."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        return f"{name}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def _takes_three(fn: Callable) -> bool:
+    """Whether ``fn(params, chunk, key)`` binds to ``fn``'s signature (True if unknown)."""
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except ValueError:  # no signature (some builtins)
+        return True
+    except TypeError:
+        return False
+    return True
+
+
 _PACKING_KEYS = ("'segment_ids'", "'position_ids'", "'segment_starts'")
 
 
@@ -238,6 +287,14 @@ def call_encoder(encode: Callable, params: PyTree, chunk: PyTree, key: Any, name
     try:
         return encode(params, chunk, key)
     except TypeError as e:
+        if not _takes_three(encode):
+            raise TypeError(
+                f"{name} is called as encode(params, chunk, key), but "
+                f"{_signature(encode)} cannot take those three arguments ({e}). Every "
+                "encoder takes the chunk's dropout key as its third argument (None when the "
+                "step has no rng=); give it one even if it is unused: "
+                "def encode(params, chunk, key): ... or lambda params, chunk, key: ...."
+            ) from e
         if (
             any(k in str(e) for k in _PACKING_KEYS)
             and "segment_ids" in getattr(chunk, "keys", list)()

@@ -31,7 +31,15 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from gc_jax import _distributed, _layout, _loss_scale, _passes, _plan, _validation
+from gc_jax import (
+    _distributed,
+    _first_order,
+    _layout,
+    _loss_scale,
+    _passes,
+    _plan,
+    _validation,
+)
 from gc_jax._base import AxisName, Encoder, EncoderView, PyTree
 from gc_jax._plan import ChunkSize
 
@@ -256,6 +264,7 @@ def cached_value_and_grad(
     ):
         if not inputs:
             raise ValueError("no inputs were given; expected at least one batch to encode.")
+        _validation.key_as_input(inputs, "grad_fn(params, queries, docs, rng=key)")
         _check_loss_call(loss_fn, len(inputs), loss_kwargs)
         _validation.axis_bound(axis_name)
         _validation.rng_key(rng)
@@ -293,9 +302,22 @@ def cached_value_and_grad(
             lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, manual), params
         )
         loss = _distributed.replicated_loss(loss, manual)
-        return ((loss, aux), grads) if has_aux else (loss, grads)
+        out = ((loss, aux), grads) if has_aux else (loss, grads)
+        return _first_order_only(out, chunk_size, inputs)
 
     return value_and_grad_fn
+
+
+def _first_order_only(out: Any, chunk_size: Any, inputs: tuple) -> Any:
+    """``out``, refusing reverse-mode differentiation with a named error where an input's
+    number of chunks is traced (a token budget or packing under ``jit``: see
+    ``gc_jax._first_order``)."""
+    sizes = _validation.per_input(chunk_size, len(inputs), "chunk_size", lambda s, _: s)
+    for i, size in enumerate(sizes):
+        if _plan.by_tokens(size) and _first_order.staged():
+            what = f"The gradient of cached_value_and_grad (or make_train_step) for inputs[{i}]"
+            return _first_order.mark(out, _first_order.message(what, size, forward_mode=True))
+    return out
 
 
 def _kept_vjps(inputs: list[_passes.Input]) -> tuple[bool, bool]:

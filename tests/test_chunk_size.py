@@ -5,6 +5,9 @@
 
 import functools
 import itertools
+import logging
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +167,26 @@ def test_non_monotone_memory_compiles_down_to_the_answer(monkeypatch):
     assert fake_search(monkeypatch, [8, 16, 32], 115) == (16, [32, 16])
     with pytest.raises(ValueError, match=r"no candidate fits; even the smallest, chunk_size=8"):
         fake_search(monkeypatch, [16, 8, 32], 99)
+
+
+def test_each_compile_is_logged(monkeypatch, caplog):
+    """Compiles take minutes for a large model: each is logged at INFO on "gc_jax"."""
+    monkeypatch.setitem(FAKE_BYTES, 512, None)  # the compiler's out of memory
+    with caplog.at_level(logging.INFO, logger="gc_jax"):
+        assert fake_search(monkeypatch, [8, 16, 32, 64, 512], 125)[0] == 64
+    lines = [r.getMessage() for r in caplog.records if r.name == "gc_jax"]
+    assert lines[0] == (
+        "largest_chunk_size: 125 bytes per device; compiling the step for chunk sizes "
+        "[512, 64, 32, 16, 8] from the largest down, until one fits"
+    )
+    assert lines[1] == "largest_chunk_size: compiling chunk_size=512 ..."
+    assert re.fullmatch(r"largest_chunk_size: chunk_size=512 needs out of memory "
+                        r"\(compiled in [\d.]+s\): does not fit", lines[2])  # fmt: skip
+    assert re.fullmatch(r"largest_chunk_size: chunk_size=64 needs 120 bytes "
+                        r"\(compiled in [\d.]+s\): fits", lines[-1])  # fmt: skip
+    assert len(lines) == 5
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "chunk_size.md").read_text()
+    assert 'logging.getLogger("gc_jax").setLevel(logging.INFO)' in doc
 
 
 def test_per_input_candidates_are_sorted_too():

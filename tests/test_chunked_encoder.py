@@ -214,8 +214,10 @@ def test_inside_nnx_jit_and_nnx_grad():
         def step(model, optimizer, q, d, key):
             def loss(model):
                 enc = make(gc_jax.nnx_encoder(model))
+                no_dropout = make(gc_jax.nnx_encoder(nnx.view(model, deterministic=True)))
                 params = nnx.state(model, nnx.Param)
-                return gc_jax.losses.contrastive_loss(enc(params, q, key), enc(params, d, None))
+                reps = enc(params, q, key), no_dropout(params, d, None)  # documents: no dropout
+                return gc_jax.losses.contrastive_loss(*reps)
 
             value, grads = nnx.value_and_grad(loss)(model)
             optimizer.update(model, grads)

@@ -1,25 +1,21 @@
-"""docs/losses_options.md: every block runs, and gives what the naive reference gives."""
-
-import re
-from pathlib import Path
+"""docs/losses_options.md: the page runs top to bottom, and each block gives what the naive
+reference gives."""
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from doc_pages import run_page
 from options_reference import contrastive
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "losses_options.md"
+PAGE = "docs/losses_options.md"
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
 
-def run(*names: str) -> dict:
-    """The page's setup block, then ``names``' blocks, in one namespace."""
-    blocks = dict(re.findall(r"```python\n# ([^\n]*)\n(.*?)```", PAGE.read_text(), flags=re.S))
-    namespace: dict = {}
-    for name in ("setup", *names):
-        exec(blocks[name], namespace)
-    return namespace
+def run(name: str) -> dict:
+    """The page's names after its block ``name``: the page runs top to bottom in one
+    namespace (``doc_pages.run_page``), as a reader runs it."""
+    return run_page(PAGE)[name].namespace
 
 
 def test_directions_block():

@@ -176,8 +176,8 @@ def _random_tokens(rows: int, length: int, seed: int) -> dict[str, np.ndarray]:
 
 def test_encoder_output_is_unit_norm_and_ignores_padding():
     model = SentenceEncoder(_tiny_config(), rngs=nnx.Rngs(0))
-    # Jitted (one compilation, not one per eager op); no key: dropout off.
-    encode = jax.jit(gc_jax.nnx_encoder(model))
+    # Jitted (one compilation, not one per eager op); no key, dropout off (said so).
+    encode = jax.jit(gc_jax.nnx_encoder(nnx.view(model, deterministic=True)))
     params = nnx.state(model, nnx.Param)
     tokens = _random_tokens(3, 12, seed=0)
     out = encode(params, tokens, None)
@@ -407,8 +407,46 @@ def test_an_interrupted_run_saves_its_finished_steps(tmp_path, monkeypatch, caps
     before = signal.getsignal(signal.SIGTERM)
     state = dual_encoder.train(step, state, data, lambda p: {}, None, args)
     assert state.step == 3 and saved == [3] and len(calls) == 3
-    assert "SIGTERM: stopped after step 3, checkpoint saved" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "SIGTERM: stopped after step 3, checkpoint saved" in out
+    # The progress bar counts the steps the message counts (not 2/50).
+    bars = re.findall(r"training:.*?(\d+)/50", out)
+    assert bars and bars[-1] == "3", out
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+@pytest.mark.parametrize(
+    ("pairs", "given", "steps"),
+    [(12_743, False, 99), (12_800, False, 100), (50_000, False, 100), (130, False, 1),
+     (12_743, True, 100)],
+)  # fmt: skip
+def test_default_steps_stop_at_the_whole_batches(pairs, given, steps, capsys):
+    """Without --steps a run never repeats a batch, whatever the corpus's size (12,743
+    pairs, mined on Python 3.13, make 99 batches of 128); --steps given is obeyed."""
+    argv = ["--steps", "100"] if given else []
+    args = dual_encoder.parse_args(dual_encoder.build_parser(), [*argv, "--stop-at", "100"])
+    dual_encoder.cap_default_steps(args, pairs)
+    assert (args.steps, args.stop_at) == (steps, steps)
+    assert ("not the default 100" in capsys.readouterr().out) == (steps < 100)
+    if not given:  # every batch of the run is new: the order never starts a second epoch
+        order = dual_encoder.BatchOrder(pairs, args.batch, seed=0)
+        rows = np.concatenate([order.next() for _ in range(args.steps)])
+        assert order.epoch == 0 and len(set(rows.tolist())) == len(rows)
+
+
+def test_a_default_run_reports_no_repeated_batch(small_tiny_model, tmp_path, capsys):
+    """The run without --steps on a small corpus: it stops at the whole batches, and the
+    summary's final loss is the last step's, a batch seen once."""
+    flags = [f for f in RUN_FLAGS if f not in ("--steps", "60")]
+    result = dual_encoder.main([*flags, "--checkpoint-dir", str(tmp_path / "run")])
+    config = run_dir.read_run_config(tmp_path / "run")
+    whole = config["data"]["train"] // 16
+    assert config["flags"]["steps"] == whole == result["step"] < 100
+    out = capsys.readouterr().out
+    assert f"training: {whole} steps x 16" in out and "each training pair at most once" in out
+    losses = _train_losses(tmp_path / "run")
+    assert len(losses) == whole and result["final_loss"] == losses[-1]
+    assert f"final loss {losses[-1]:.3f}" in out
 
 
 def test_resume_refuses_different_run_flags_and_foreign_directories(straight_run, tmp_path, capsys):

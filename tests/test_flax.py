@@ -70,9 +70,14 @@ def test_nnx_module_with_dropout(chunk_size):
     encode = gc_jax.nnx_encoder(model)
     _, grads = compare(encode, params, chunk_size, q, d, jax.random.key(3))
     assert isinstance(grads, nnx.State)
-    # Without a key the module runs deterministically (no dropout).
-    eval_loss, _ = compare(encode, params, chunk_size, q, d, None)
+    # Without a key, dropout in training mode raises (as Linen's does): it is turned off
+    # only where the user says so, with an encoder of the model in eval mode.
+    with pytest.raises(
+        TypeError, match=r"model has dropout in training mode \(model\.dropout\) but got key=None"
+    ):
+        compare(encode, params, chunk_size, q, d, None)
     plain = nnx.view(model, deterministic=True)
+    eval_loss, _ = compare(gc_jax.nnx_encoder(plain), params, chunk_size, q, d, None)
     chex.assert_trees_all_close(eval_loss, loss(None, plain(q), plain(d)), rtol=1e-5)
 
 
@@ -208,6 +213,5 @@ def test_nnx_batch_norm_on_running_statistics_with_dropout():
     compare(encode, params, 4, q, d, jax.random.key(3))
     # In training mode BatchNorm would normalise each chunk by its own statistics.
     with pytest.raises(ValueError, match=r"updated its nnx.BatchStat.*model.norm.mean"):
-        jax.eval_shape(
-            gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(model), 4), params, q, d
-        )
+        grad_fn = gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(model), 4)
+        jax.eval_shape(lambda p: grad_fn(p, q, d, rng=jax.random.key(0)), params)

@@ -230,11 +230,14 @@ def test_dropout_is_replayed(chunk_size):
         [mq, md], [q, d], chunk_size, rng, contrastive_loss
     )
     chex.assert_trees_all_close((loss, list(grads)), (ref_loss, ref_grads), **TOL)
-    # Dropout is really on with a key, and off without one.
+    # Dropout is really on with a key; without one it raises, unless the models are
+    # in eval mode, where it is off.
     other_loss, _ = gc(q, d, rng=jax.random.key(7))
-    eval_loss, _ = gc(q, d)
-    assert len({float(loss), float(other_loss), float(eval_loss)}) == 3
+    with pytest.raises(TypeError, match=r"models\[0\] has dropout in training mode"):
+        gc(q, d)
     det = lambda m: nnx.view(m, deterministic=True)
+    eval_loss, _ = gc_jax.GradCache([det(mq), det(md)], chunk_size, contrastive_loss)(q, d)
+    assert len({float(loss), float(other_loss), float(eval_loss)}) == 3
     chex.assert_trees_all_close(eval_loss, contrastive_loss(det(mq)(q), det(md)(d)), **TOL)
 
 
@@ -508,4 +511,4 @@ def test_batch_norm_in_training_mode_raises():
     """
     mq, md = NormTower(0), NormTower(1)
     with pytest.raises(ValueError, match=r"models\[0\] updated its nnx.BatchStat.*norm.mean"):
-        gc_jax.GradCache([mq, md], 3, contrastive_loss)(batch(1), batch(2))
+        gc_jax.GradCache([mq, md], 3, contrastive_loss)(batch(1), batch(2), rng=jax.random.key(0))

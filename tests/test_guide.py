@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from doc_pages import run_page
 
 import gc_jax
 
@@ -35,7 +36,7 @@ PAGES = {
         "bring your own step: a plain optax loop",
         "bring your own step: nnx",
     ],
-    "chunk_size.md": ["largest chunk size"],
+    "chunk_size.md": ["setup", "largest chunk size"],
     "token_budgets.md": ["token budget", "run it", "token packing"],
     "scaling_out.md": [
         "setup",
@@ -51,6 +52,11 @@ PAGES = {
         "your own distributed loss",
     ],
     "porting.md": ["GradCache class", "cachex"],
+    "large_embedders.md": [
+        "setup",
+        "the step: LoRA, an FSDP base, the ring loss",
+        "gathered once per step: full fine-tuning, the local view",
+    ],
     "correctness.md": ["check your model", "a model that mixes rows"],
 }
 TESTED_ELSEWHERE = {
@@ -69,9 +75,15 @@ def blocks(page: str) -> dict[str, str]:
 
 
 def run(page: str, *names: str, namespace: dict | None = None) -> dict:
+    """Runs ``names``' blocks of ``page`` in ``namespace`` (a new one by default). The
+    blocks a namespace has run must be the page's first ones, in order: a reader runs
+    the page top to bottom (:func:`doc_pages.run_page` runs a whole page once)."""
     namespace = {} if namespace is None else namespace
+    done = namespace.setdefault("__blocks__", [])
     for name in names:
         exec(blocks(page)[name], namespace)
+        done.append(name)
+    assert done == list(blocks(page))[: len(done)], f"{page}: not top to bottom: {done}"
     return namespace
 
 
@@ -102,24 +114,28 @@ def test_quickstart():
     """The page's blocks in order, in one namespace, as a reader runs them."""
     from flax import nnx
 
-    ns = run("quickstart.md", "quick start", "run it")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ns = run("quickstart.md", "quick start", "run it")
     params, queries, docs = ns["params"], ns["queries"], ns["docs"]
     want_loss, want_grads = full_value_and_grad(ns["loss_fn"], ns["encode"], params, queries, docs)
     want_params = adamw_step(params, want_grads)
     chex.assert_trees_all_close(ns["loss"], want_loss, **TOL)
     chex.assert_trees_all_close(ns["new_params"], want_params, **TOL)
+    # What it prints is what the page says, a plausible loss for unit-norm embeddings.
+    printed = out.getvalue().strip()
+    assert printed == f"loss {float(want_loss):.2f}" and 6 < float(want_loss) < 15
+    assert f'print(f"loss {{loss:.2f}}")  # {printed}' in blocks("quickstart.md")["run it"]
 
-    params = jax.tree.map(jnp.copy, params)  # the next block donates the state's buffers
     run("quickstart.md", "a full training step", namespace=ns)
     chex.assert_trees_all_close(ns["metrics"]["loss"], want_loss, **TOL)
     chex.assert_trees_all_close(ns["state"].params, want_params, **TOL)
 
     run("quickstart.md", "bring your own step: a plain optax loop", namespace=ns)
     tx = ns["tx"]
-    new_params, _, loss = ns["my_step"](params, tx.init(params), queries, docs, None)
     updates, _ = tx.update(want_grads, tx.init(params), params)
-    chex.assert_trees_all_close(loss, want_loss, **TOL)
-    chex.assert_trees_all_close(new_params, optax.apply_updates(params, updates), **TOL)
+    chex.assert_trees_all_close(ns["loss"], want_loss, **TOL)  # its step, run on `params`
+    chex.assert_trees_all_close(ns["new_params"], optax.apply_updates(params, updates), **TOL)
 
     reference = nnx.Linear(8, 4, rngs=nnx.Rngs(0))  # the next block's model, before its step
     nnx_params = nnx.state(reference, nnx.Param)
@@ -136,12 +152,8 @@ def test_largest_chunk_size_on_a_compile_only_tpu():
     """Needs libtpu (the ``tpu`` extra), as tests/test_tpu.py does: fails without it."""
     from flax.training.train_state import TrainState
 
-    ns = run("quickstart.md", "quick start")
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    params = {"w1": jax.random.normal(k1, (8, 16)), "w2": jax.random.normal(k2, (16, 4))}
-    ns["state"] = TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-3))
-    ns["queries"] = ns["docs"] = jax.random.normal(k3, (4096, 8))
-    run("chunk_size.md", "largest chunk size", namespace=ns)
+    ns = run("chunk_size.md", "setup", "largest chunk size")
+    assert isinstance(ns["state"], TrainState)
     # This model's full batch of 4,096 rows takes a few MiB: the largest candidate fits.
     assert ns["chip"].platform == "tpu"
     assert ns["chunk"] == 4096
@@ -176,14 +188,14 @@ def test_scaling_out():
 
 
 def test_losses_inside_shard_map():
-    ns = run("losses.md", "setup", "the losses inside shard_map")
+    ns = run("losses.md", "setup", "the losses inside shard_map")  # the page's first blocks
     loss = lambda x, y, t: gc_jax.losses.contrastive_loss(x, y, temperature=t)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(ns["x"], ns["y"], 0.05)
     chex.assert_trees_all_close((ns["value"], (ns["dx"], ns["dy"], ns["dt"])), want, **TOL)
 
 
 def test_blockwise_loss():
-    ns = run("losses.md", "setup", "blockwise")
+    ns = run_page("docs/losses.md")["blockwise"].namespace
     dense = lambda x, y: gc_jax.losses.clip_loss(x, y, jnp.log(1 / 0.07))
     want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1)))(ns["x"], ns["y"])
     assert ns["x"].shape[0] % 96, "the page says 96 does not divide the batch"
@@ -191,14 +203,14 @@ def test_blockwise_loss():
 
 
 def test_ring_loss():
-    ns = run("losses.md", "setup", "ring")
+    ns = run_page("docs/losses.md")["ring"].namespace
     loss = lambda x, y: gc_jax.losses.sigmoid_loss(x, y, jnp.log(10.0), -10.0)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(ns["x"], ns["y"])
     chex.assert_trees_all_close((ns["value"], (ns["dx"], ns["dy"])), want, **TOL)
 
 
 def test_your_own_distributed_loss():
-    ns = run("losses.md", "setup", "your own distributed loss")
+    ns = run_page("docs/losses.md")["your own distributed loss"].namespace
     x, y = ns["x"], ns["y"]
     full = lambda w: jnp.mean(jnp.sum((jnp.tanh(x @ w) - jnp.tanh(y @ w)) ** 2, axis=1))
     want = jax.jit(jax.value_and_grad(full))(ns["w"])
@@ -210,7 +222,7 @@ def test_porting_the_gradcache_class():
 
     towers = [nnx.Linear(8, 4, rngs=nnx.Rngs(seed)) for seed in (0, 1)]  # the block's, fresh
     params = tuple(nnx.state(t, nnx.Param) for t in towers)
-    ns = run("porting.md", "GradCache class")
+    ns = run_page("docs/porting.md")["GradCache class"].namespace
     encoders = [gc_jax.nnx_encoder(t) for t in towers]
     total = lambda p: gc_jax.losses.contrastive_loss(
         encoders[0](p[0], ns["xx"], None), encoders[1](p[1], ns["yy"], None)
@@ -228,7 +240,7 @@ def test_porting_the_gradcache_class():
 
 
 def test_porting_cachex():
-    ns = run("porting.md", "cachex")
+    ns = run_page("docs/porting.md")["cachex"].namespace  # after the GradCache class block
     qq, pp, fwd_fn = ns["qq"], ns["pp"], ns["fwd_fn"]
 
     def plain(p, chunks):  # no caching: each chunk with its own key, concatenated
@@ -248,3 +260,21 @@ def test_correctness_checks():
     assert out.getvalue().startswith(
         "gradient caching with chunk_size=8 differs from the full batch. Does the model mix rows"
     ), out.getvalue()
+
+
+def test_large_embedders():
+    """The recipe's blocks (bfloat16 compute, FSDP base on 8 devices) against
+    ``jax.value_and_grad`` of the whole batch, unsharded, in the same dtype: within
+    bfloat16 rounding (``tests/test_large_embedder.py`` checks float32 to 1e-4)."""
+    import large_embedder as le
+
+    ns = run("large_embedders.md", *PAGES["large_embedders.md"])
+    size, q, d = ns["size"], *(jax.device_get(ns[k]) for k in ("queries", "docs"))
+    base, lora = le.init(size, jax.random.key(0))
+    lora_loss = lambda p: le.loss_fn(p, *(le.encode(size, base, p, x) for x in (q, d)))
+    chex.assert_trees_all_close(ns["loss"], jax.jit(lora_loss)(lora), rtol=2e-2)
+    full_loss = lambda p: le.loss_fn(p, *(le.encode(size, p, None, x) for x in (q, d)))
+    want = jax.jit(jax.value_and_grad(full_loss))(base)
+    chex.assert_trees_all_close(ns["full_loss"], want[0], rtol=2e-2)
+    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+    chex.assert_trees_all_close(f32(ns["full_grads"]), f32(want[1]), rtol=0.1, atol=2e-2)

@@ -1,21 +1,18 @@
-"""docs/losses_matryoshka_maxsim.md: every python block runs, and what it computes is right."""
-
-import re
-from pathlib import Path
+"""docs/losses_matryoshka_maxsim.md: the page runs top to bottom, and what each block computes
+is right."""
 
 import chex
 import jax
 import jax.numpy as jnp
+from doc_pages import run_page
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "losses_matryoshka_maxsim.md"
+PAGE = "docs/losses_matryoshka_maxsim.md"
 
 
 def run_block(name: str) -> dict:
-    """Runs the page's python block whose first line is ``# name``; returns its names."""
-    found = dict(re.findall(r"```python\n# ([^\n]*)\n(.*?)```", PAGE.read_text(), flags=re.S))
-    namespace: dict = {}
-    exec(found[name], namespace)
-    return namespace
+    """The page's names after its block ``name``: the page runs top to bottom in one
+    namespace (``doc_pages.run_page``), as a reader runs it."""
+    return run_page(PAGE)[name].namespace
 
 
 def test_matryoshka_block_matches_the_full_batch():

@@ -65,3 +65,15 @@ def test_every_public_name_has_an_entry_in_the_api_reference(site):
     missing = [name for name in public_names() if f'id="{name}"' not in pages]
     assert not missing, f"add these to docs/api/: {missing}"
     assert len(public_names()) >= 25
+
+
+def test_one_build_command_with_warnings_as_errors():
+    """The README and docs/development.md give the same command, this test's build: warnings
+    as errors, and the ``test`` extra (which brings Sphinx) is all it installs."""
+    command = (
+        'pip install -e ".[test]" && python -m sphinx -W --keep-going -b html docs /tmp/gc_jax_docs'
+    )
+    for page in (ROOT / "README.md", ROOT / "docs" / "development.md"):
+        text = page.read_text()
+        assert command in text, page
+        assert text.count("python -m sphinx") == 1, f"{page}: one build command"
