@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--hlo-dir", type=Path, default=None, help="save each optimised HLO")
     parser.add_argument("--report", action="store_true", help="print the results' table")
+    parser.add_argument("--plot", type=Path, default=None, help="with --report: a figure")
     return parser.parse_args(argv)
 
 
@@ -306,17 +307,55 @@ def report(args) -> None:
               f"({bound}-bound)")  # fmt: skip
 
 
+def plot(args, path: Path) -> None:
+    """Per-chip memory (buffer assignment) and collective bytes per token against the
+    per-chip batch, plain and gc_jax, one panel pair per size and slice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in json.loads(RESULTS.read_text()) if p.get("fits")]
+    groups = sorted({(p["size"], p["topology"]) for p in points})
+    fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 6), squeeze=False)
+    for col, (size, topo) in enumerate(groups):
+        mine = [p for p in points if (p["size"], p["topology"]) == (size, topo)]
+        series = sorted({(p["step"], p["chunk"] or 0) for p in mine})
+        for step, chunk in series:
+            pts = sorted(
+                (p["pairs_per_chip"], p)
+                for p in mine
+                if (p["step"], p["chunk"] or 0) == (step, chunk)
+            )
+            x = [n for n, _ in pts]
+            label = step if step == "plain" else f"{step}, chunks of {chunk} pairs"
+            style = "o-" if step == "plain" else "s--"
+            axes[0, col].plot(x, [p["total_gib"] for _, p in pts], style, label=label)
+            per_token = [roofline(p, args)["collective_bytes_per_token"] / 1024 for _, p in pts]
+            axes[1, col].plot(x, per_token, style, label=label)
+        axes[0, col].set_title(f"{size} on {topo}")
+        axes[0, col].set_ylabel("GiB per chip")
+        axes[1, col].set_ylabel("collective KiB per token")
+        for ax in axes[:, col]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("pairs per chip")
+            ax.legend(fontsize=7)
+    common.save_figure(fig, path)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
-        return report(args)
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+        report(args)
+        if args.plot is not None:
+            plot(args, args.plot)
+        return
     for pairs in args.pairs:
         for kind in args.steps:
             point = compile_point(args, args.size, kind, pairs)
             print(json.dumps(point), flush=True)
-            results.append(point)
-            common.write_json(RESULTS, results)
+            results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+            common.write_json(RESULTS, [*results, point])  # read again: others may append
 
 
 if __name__ == "__main__":

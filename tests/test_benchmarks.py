@@ -239,3 +239,31 @@ def test_gpu_step_compile_child_reports_each_variant(capsys):
         assert 1 <= len(r["largest_temp_shapes"]) <= 3
         sizes = [size for _, size, _ in r["largest_temp_shapes"]]
         assert sizes == sorted(sizes, reverse=True) and sizes[0] <= r["temp_bytes"]
+
+
+def test_fsdp_pod_counts_collectives_through_nested_loops():
+    """``benchmarks.fsdp_pod`` reads collectives per step from the optimised HLO: an
+    all-reduce in a 3-step scan inside a 4-step loop runs 12 times, and one outside any
+    loop once (compiled here by XLA:CPU on 8 devices)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks import fsdp_pod
+
+    mesh = jax.make_mesh((8,), ("d",))
+
+    def body(x):
+        def layer(h, _):
+            return h + jnp.tanh(jax.lax.psum(h, "d")), None  # varying, as h
+
+        x = jax.lax.fori_loop(0, 4, lambda i, h: jax.lax.scan(layer, h, None, length=3)[0], x)
+        return jax.lax.psum(x * 2, "d")[None]
+
+    step = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    x = jax.device_put(jnp.ones((8, 16, 32)), jax.sharding.NamedSharding(mesh, P("d")))
+    hlo = jax.jit(step).lower(x).compile().as_text()
+    found = fsdp_pod.collectives(hlo)["all-reduce"]
+    size = 16 * 32 * 4  # f32[1, 16, 32]: each device's rows
+    assert found["looped"] == [12, 12 * size], found
+    assert found["once"] == [1, size], found
