@@ -322,11 +322,8 @@ def plot(args, path: Path) -> None:
         mine = [p for p in points if (p["size"], p["topology"]) == (size, topo)]
         series = sorted({(p["step"], p["chunk"] or 0) for p in mine})
         for step, chunk in series:
-            pts = sorted(
-                (p["pairs_per_chip"], p)
-                for p in mine
-                if (p["step"], p["chunk"] or 0) == (step, chunk)
-            )
+            same = [p for p in mine if (p["step"], p["chunk"] or 0) == (step, chunk)]
+            pts = sorted(((p["pairs_per_chip"], p) for p in same), key=lambda t: t[0])
             x = [n for n, _ in pts]
             label = step if step == "plain" else f"{step}, chunks of {chunk} pairs"
             style = "o-" if step == "plain" else "s--"
