@@ -390,7 +390,9 @@ def fsdp_encoder(explicit: bool, sharded: bool = True):
 
 
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
-@pytest.mark.parametrize("entry", ["cached_value_and_grad", "make_train_step", "chunked_encoder"])
+@pytest.mark.parametrize(
+    "entry", ["cached_value_and_grad", "make_train_step", "chunked_encoder", "functional.cached"]
+)
 def test_an_fsdp_encoder(entry, explicit):
     axis_type = AxisType.Explicit if explicit else AxisType.Auto
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
@@ -405,12 +407,28 @@ def test_an_fsdp_encoder(entry, explicit):
         ),
         "make_train_step": lambda e: _train_step(e, batch_axis=axis),
         "chunked_encoder": lambda e: _chunked_encoder(e, batch_axis=axis),
+        "functional.cached": _functional,
     }[entry]
     with jax.set_mesh(mesh):
         got = make(fsdp_encoder(explicit))(placed, q, d)
     chex.assert_trees_all_close(got, want, rtol=5e-5, atol=5e-6)
     if explicit and entry != "make_train_step":  # auto axes: the compiler's choice, as plain
         check_grads_placed(got[1], placed)  # jit's (replicated here); out_shardings decide
+
+
+def test_an_fsdp_encoder_through_the_cachex_port_under_auto_axes():
+    """The original's port, pre-chunked (8 chunks, one per device). Under explicit axes
+    its chunk axis is typed as sharded over ``data``, so an encoder that also constrains
+    its rows to ``data`` asks for one axis twice, as ``vmap`` over the chunks would in
+    plain JAX; under auto axes it is exact."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    params = fsdp_params()
+    want = reference(fsdp_encoder(False, sharded=False), params, *_dicts())
+    placed = jax.tree.map(lambda v, s: put(mesh, v, s), params, FSDP_SPECS)
+    q, d = ({"ids": put(mesh, x, P("data"))} for x in ids_pair())
+    with jax.set_mesh(mesh):
+        got = _cachex(fsdp_encoder(False))(placed, q, d)
+    chex.assert_trees_all_close(got, want, rtol=5e-5, atol=5e-6)
 
 
 def test_local_refuses_parameters_sharded_over_the_batch_axis():
