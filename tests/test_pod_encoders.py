@@ -176,6 +176,17 @@ def test_jax_makes_mesh_axes_explicit_by_default_where_this_matters():
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+def assert_exact_on_explicit_axes(entry, encode, params):
+    """``entry(encode)(params, q, d)`` on token ids split over 8 devices (explicit axes,
+    parameters replicated) equals the unsharded full batch's value and gradient."""
+    ids_q, ids_d = ids_pair()
+    want = reference(encode, params, ids_q, ids_d)
+    mesh = explicit_mesh()
+    q, d = (put(mesh, x, P("data")) for x in (ids_q, ids_d))
+    got = entry(encode)(put(mesh, params, P()), q, d)
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
 def _nnx_model():
     from flax import nnx
 
@@ -195,36 +206,17 @@ def test_nnx_embed_through_nnx_encoder():
 
     model = _nnx_model()
     encode = gc_jax.nnx_encoder(model)
-    params = nnx.state(model, nnx.Param)
-    ids_q, ids_d = ids_pair()
-    want = reference(encode, params, ids_q, ids_d)
-    mesh = explicit_mesh()
-    q, d = (put(mesh, x, P("data")) for x in (ids_q, ids_d))
-    placed = put(mesh, params, P())
-    chex.assert_trees_all_close(_value_and_grad(encode)(placed, q, d), want, **TOL)
+    assert_exact_on_explicit_axes(_value_and_grad, encode, nnx.state(model, nnx.Param))
 
 
 def test_gradcache_with_an_nnx_embed_model():
     from flax import nnx
 
-    class Text(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-            self.dense = nnx.Linear(DIM, DIM, rngs=rngs)
-
-        def __call__(self, ids):
-            return jnp.tanh(self.dense(self.embed(ids))).mean(1)
-
-    model = Text(nnx.Rngs(0))
-    params = nnx.state(model, nnx.Param)
-    ids_q, ids_d = ids_pair()
-    encode = gc_jax.nnx_encoder(model)
-    want = reference(encode, params, ids_q, ids_d)
-    mesh = explicit_mesh()
-    q, d = (put(mesh, x, P("data")) for x in (ids_q, ids_d))
+    model = _nnx_model()
     gc = gc_jax.GradCache([model, model], CHUNK, loss_fn=lambda a, b: loss_fn(None, a, b))
-    got = jax.jit(lambda p, q, d: gc(q, d, params=p))(put(mesh, params, P()), q, d)
-    chex.assert_trees_all_close(got, want, **TOL)
+    entry = lambda _: jax.jit(lambda p, q, d: gc(q, d, params=p))
+    encode = gc_jax.nnx_encoder(model)  # the reference's
+    assert_exact_on_explicit_axes(entry, encode, nnx.state(model, nnx.Param))
 
 
 def test_linen_embed_through_linen_encoder():
@@ -236,15 +228,9 @@ def test_linen_embed_through_linen_encoder():
             h = nn.Embed(VOCAB, DIM)(ids)
             return jnp.tanh(nn.Dense(DIM)(h)).mean(1)
 
-    ids_q, ids_d = ids_pair()
     module = Text()
-    params = module.init(jax.random.key(0), ids_q[:2])["params"]
-    encode = gc_jax.linen_encoder(module)
-    want = reference(encode, params, ids_q, ids_d)
-    mesh = explicit_mesh()
-    q, d = (put(mesh, x, P("data")) for x in (ids_q, ids_d))
-    got = _train_step(encode)(put(mesh, params, P()), q, d)
-    chex.assert_trees_all_close(got, want, **TOL)
+    params = module.init(jax.random.key(0), ids_pair()[0][:2])["params"]
+    assert_exact_on_explicit_axes(_train_step, gc_jax.linen_encoder(module), params)
 
 
 def test_keras_embedding_through_keras_encoder():
@@ -254,12 +240,7 @@ def test_keras_embedding_through_keras_encoder():
     h = keras.layers.Embedding(VOCAB, DIM)(ids_in)
     out = keras.ops.mean(keras.layers.Dense(DIM, activation="tanh")(h), axis=1)
     encode, params = gc_jax.keras_encoder(keras.Model(ids_in, out))
-    ids_q, ids_d = ids_pair()
-    want = reference(encode, params, ids_q, ids_d)
-    mesh = explicit_mesh()
-    q, d = (put(mesh, x, P("data")) for x in (ids_q, ids_d))
-    got = _value_and_grad(encode)(put(mesh, params, P()), q, d)
-    chex.assert_trees_all_close(got, want, **TOL)
+    assert_exact_on_explicit_axes(_value_and_grad, encode, params)
 
 
 def test_equinox_embedding_through_equinox_encoder():
@@ -278,12 +259,7 @@ def test_equinox_embedding_through_equinox_encoder():
             return jnp.tanh(jax.vmap(lambda t: self.dense(self.embed(t)))(ids)).mean(0)
 
     encode, params = gc_jax.equinox_encoder(Text(jax.random.key(0)))
-    ids_q, ids_d = ids_pair()
-    want = reference(encode, params, ids_q, ids_d)
-    mesh = explicit_mesh()
-    q, d = (put(mesh, x, P("data")) for x in (ids_q, ids_d))
-    got = _chunked_encoder(encode)(put(mesh, params, P()), q, d)
-    chex.assert_trees_all_close(got, want, **TOL)
+    assert_exact_on_explicit_axes(_chunked_encoder, encode, params)
 
 
 # -- 2. Encoders written for plain jit over the mesh run unchanged -------------------
