@@ -369,6 +369,7 @@ def run_worker(args: argparse.Namespace, worker: str, extra: list[str], python: 
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", XLA_CLIENT_MEM_FRACTION="0.95")
     if worker == "export":
         env["JAX_PLATFORMS"] = "cpu"  # the weights are drawn on the CPU: no device held
+    t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
                              timeout=args.budget_s + 300)  # fmt: skip
@@ -376,6 +377,8 @@ def run_worker(args: argparse.Namespace, worker: str, extra: list[str], python: 
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         code, err = "timeout", ""
+    # Where the time goes (a run on an H200 printed nothing for minutes): every worker.
+    print(f"  [{worker} {args.precision}: {time.perf_counter() - t0:.1f} s]", flush=True)
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if code:
         last = err.strip().splitlines()[-1:] if err else []
