@@ -24,7 +24,7 @@ BLOCK_TOL = {"rtol": 1e-4, "atol": 1e-5}  # blockwise sums in another order
 def data(n: int, k: int = 1, tokens=(4, 5), dim: int = 6, seed: int = 0):
     """Queries ``[n, T, dim]``, documents ``[n * k, S, dim]`` and random token masks.
 
-    Query 1 and document 2 have no token at all (a query scores 0, a document too).
+    Query 1 and document 2 have no token at all (a query scores 0; a document -1e9).
     """
     kq, kd, kmq, kmd = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(kq, (n, tokens[0], dim))
@@ -38,8 +38,10 @@ def ref_scores(q, d, q_mask, d_mask):
     """The definition: ``s[i, j] = sum_t q_mask * max_{u: d_mask} q[i, t] . d[j, u]``."""
     sims = jnp.einsum("itc,juc->ijtu", q, d)
     best = jnp.where(d_mask[None, :, None, :], sims, -jnp.inf).max(-1)
-    best = jnp.where(d_mask.any(-1)[None, :, None], best, 0.0)  # a document with no token
-    return jnp.where(q_mask[:, None, :], best, 0.0).sum(-1)
+    filled = d_mask.any(-1)[None, :]
+    best = jnp.where(filled[..., None], best, 0.0)
+    scores = jnp.where(q_mask[:, None, :], best, 0.0).sum(-1)
+    return jnp.where(filled, scores, -1e9)  # a document with no token: out of the softmax
 
 
 def ref_maxsim(q, d, q_mask, d_mask, temperature, reduction="mean"):
@@ -109,6 +111,7 @@ def test_values_match_float64_numpy():
             for t in np.flatnonzero(q_mask[i]):
                 u = np.flatnonzero(d_mask[j])
                 s[i, j] += (dd[j, u] @ qd[i, t]).max() if len(u) else 0.0
+    s[:, ~d_mask.any(1)] = -1e9  # a document with no token (here a hard negative)
     z = s / 0.3
     lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
     want = np.mean(lse - z[np.arange(5), 2 * np.arange(5)])

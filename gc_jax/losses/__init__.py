@@ -62,6 +62,7 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 # The public losses, one per line (optax style); the forms they share are private.
 from gc_jax.losses._clip import clip_loss
 from gc_jax.losses._contrastive import contrastive_loss
+from gc_jax.losses._gist import gist_loss
 from gc_jax.losses._ids import text_ids
 from gc_jax.losses._matryoshka import matryoshka
 from gc_jax.losses._maxsim import maxsim_loss
@@ -70,6 +71,7 @@ from gc_jax.losses._sigmoid import sigmoid_loss
 __all__ = [
     "clip_loss",
     "contrastive_loss",
+    "gist_loss",
     "matryoshka",
     "maxsim_loss",
     "sigmoid_loss",

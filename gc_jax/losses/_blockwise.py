@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax.losses import _strategies, _sweeps, _tiles
+from gc_jax.losses._order import zero_after
 from gc_jax.losses._strategies import Rows, Strategy
 from gc_jax.losses._tiles import (
     Firsts,
@@ -165,18 +166,8 @@ def backward(
     # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
     # arrays (x, dx, ys/dy), not four.
     dx, dscale, dbias = sweeps.query_sweep(_tiles.varying_like(x, x, ys), add=False)
-    dy = sweeps.key_sweep(_tiles.varying_like(ys, x, ys), _zero_after(dscale), add=False)
+    dy = sweeps.key_sweep(_tiles.varying_like(ys, x, ys), zero_after(dscale), add=False)
     return dx, dy, dscale, dbias
-
-
-def _zero_after(dep: Scalar) -> jax.Array:
-    """The integer 0, computed from ``dep``: whatever uses it runs after ``dep`` is known.
-
-    ``dep > inf`` is never true (NaN included), but the compiler cannot fold it. An
-    optimisation barrier would not do: XLA:CPU removes barriers before it decides
-    which buffers may be updated in place.
-    """
-    return jnp.where(dep > jnp.inf, 1, 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _ring, _strategies
+from gc_jax.losses import _common, _docs, _strategies
+from gc_jax.losses._order import after
 
 
 @_docs.shared_docs
@@ -60,7 +61,7 @@ def clip_loss(
         x_to_y = rows(x, y)
         if ring:  # one ring at a time, forward and backward (else both hold their buffers)
             x_to_y, x, y = jax.lax.optimization_barrier((x_to_y, x, y))
-            x, y = _ring.after(x, x_to_y), _ring.after(y, x_to_y)  # kept on XLA:CPU too
+            x, y = after((x, y), x_to_y)  # kept on XLA:CPU too
         per_row = (x_to_y + rows(y, x)) / 2
         num_rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, num_rows, reduction, axis_name)

@@ -212,6 +212,12 @@ def contrastive_loss(
 
         return _common.run(local, x, y, (temperature,), sides=(y,), **kw)
 
+    return with_options(x, y, k, options, temperature, block_size=block_size, **kw)
+
+
+def with_options(x, y, k, options, temperature, *, reduction, block_size, method, axis_name):
+    """InfoNCE over the families of checked ``options`` (``_options.spec``), in any form."""
+    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     spec = _options.spec(options, k)
 
     def local_options(x, y, temperature, margin, *, extras, axis_name, ring):

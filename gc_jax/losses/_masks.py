@@ -39,8 +39,8 @@ class Rule(NamedTuple):
 
     Attributes:
       exclude: pairs that are not in the family: ``"self"`` (column ``i`` of row
-        ``i``: a query against itself) or ``"owner"`` (row ``i``'s own ``k``
-        documents), or None.
+        ``i``: a query against itself), ``"owner"`` (row ``i``'s own ``k``
+        documents) or ``"negatives"`` (every column but the queries' positives), or None.
       protect: the pair that is never dropped by ids or the guide (the positive
         pair): ``"self"`` (column ``i``) or ``"first"`` (column ``i * k``), or None.
       docs: the columns are documents (``k`` per query; a query id counts only on
@@ -67,7 +67,8 @@ class Rule(NamedTuple):
             drop = drop & (gj != (gi * self.k if self.protect == "first" else gi))
         keep = None if drop is None else ~drop
         if self.exclude is not None:
-            other = gj != gi if self.exclude == "self" else gj // self.k != gi
+            other = {"self": lambda: gj != gi, "owner": lambda: gj // self.k != gi,
+                     "negatives": lambda: gj % self.k == 0}[self.exclude]()  # fmt: skip
             keep = other if keep is None else keep & other
         return None if keep is None else jax.lax.optimization_barrier(keep)
 

@@ -32,7 +32,8 @@ def maxsim_loss(
     ``[n * k, S, dim]``, with ``k`` documents per query (its positive first, then its
     hard negatives, as in :func:`contrastive_loss`). The score of query ``i`` and
     document ``j`` sums, over the query's tokens, the best match among the document's
-    tokens (masked tokens take no part; a document with no token scores 0)::
+    tokens (masked tokens take no part; a document with no token scores -1e9, out of
+    every softmax, as in sentence-transformers)::
 
       s(i, j) = sum_{t : q_mask[i, t]} max_{u : d_mask[j, u]} q[i, t] . d[j, u]
       loss_i  = logsumexp_j s(i, j) / temperature - s(i, i * k) / temperature

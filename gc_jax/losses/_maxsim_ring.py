@@ -15,60 +15,37 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
 from gc_jax.losses import _maxsim_tiles, _ring
 from gc_jax.losses._maxsim_tiles import Side
+from gc_jax.losses._order import after
 from gc_jax.losses._strategies import Softmax
-
-_shift = _ring.shift  # ppermute to the next device: a pytree (tokens, mask) travels whole
 
 
 def _forward(block, axis_name, x: Side, y: Side, targets, scale):
-    size = jax.lax.axis_size(axis_name)
-    sweep = lambda y, targets, carry: _maxsim_tiles.sweep(block, x, y, targets, scale, carry)
+    def visit(here, carry, own):  # another device's block holds no row's target
+        return _maxsim_tiles.sweep(block, x, here, targets if own else None, scale, carry)
+
     carry = _maxsim_tiles.init(x, y, dtype=scale.dtype)
-    if size == 1:
-        return Softmax.finish(sweep(y, targets, carry))
-    elsewhere = jnp.full_like(targets, -1)  # no column of another device's block is a target
-
-    def step(_, state):  # steps 1 .. size - 2: send the block on, then compute on it
-        here, carry = state
-        return _shift(here, axis_name), sweep(here, elsewhere, carry)
-
-    arriving = _shift(y, axis_name)
-    carry = sweep(y, targets, carry)  # step 0: this device's own documents
-    here, carry = jax.lax.fori_loop(1, size - 1, step, (arriving, carry))
-    return Softmax.finish(sweep(here, elsewhere, carry))  # the last block is not sent on
+    return Softmax.finish(_ring.around(visit, y, carry, axis_name))
 
 
 def _backward(block, axis_name, x: Side, y: Side, targets, scale, lse, g):
-    size = jax.lax.axis_size(axis_name)
     acc = scale.dtype
 
-    def visit(here, targets):
-        dx, dy, dscale = _maxsim_tiles.backward(block, x, here, targets, scale, lse, g)
-        return dx.astype(acc), dy.astype(acc), dscale
+    def visit(here, behind, grads, own):
+        t = targets if own else None
+        dx, dy, dscale = _maxsim_tiles.backward(block, x, here, t, scale, lse, g)
+        dy, new = dy.astype(acc), (dx.astype(acc), dscale)
+        if behind is None:  # step 0
+            return dy, new
+        return behind + dy, tuple(u + v for u, v in zip(grads, new, strict=True))
 
-    def step(_, state, send=True):
-        """Sends this block on and the previous block's accumulator, then computes."""
-        here, behind, (dx, dscale) = state
-        arriving = _shift(here, axis_name) if send else here
-        behind = _shift(behind, axis_name)  # now this block's accumulator
-        ddx, dy, ddscale = visit(here, jnp.full_like(targets, -1))
-        return arriving, behind + dy, (dx + ddx, dscale + ddscale)
-
-    arriving = _shift(y, axis_name) if size > 1 else y
-    dx, dy, dscale = visit(y, targets)  # step 0: this device's own documents
-    state = (arriving, dy, (dx, dscale))
-    if size > 1:
-        state = jax.lax.fori_loop(1, size - 1, step, state)
-        state = step(size - 1, state, send=False)
-    _, dy, (dx, dscale) = state
-    dy = _shift(dy, axis_name) if size > 1 else dy  # home: the block's owner
-    dx, dscale = (_ring.after(v, dy) for v in (dx, dscale))
+    # The documents' block travels as (tokens, mask); its gradient is the tokens' alone.
+    dy, (dx, dscale) = _ring.around_back(visit, y, None, None, axis_name)
+    dx, dscale = after((dx, dscale), dy)  # every ppermute before the psum
     return dx.astype(x.tokens.dtype), dy.astype(y.tokens.dtype), dscale
 
 

@@ -7,7 +7,8 @@ block of ``bk`` documents (``[bk, S, dim]`` and theirs). Its scores are::
 
 from the ``[bq, bk, T, S]`` token similarities, accumulated in at least float32
 (``preferred_element_type``): rows in bfloat16 are never cast whole. A document
-with no token scores 0 with every query token.
+with no token scores ``EMPTY`` (-1e9, as sentence-transformers scores it), so that it
+takes no part in any softmax.
 
 The loops, the online log-sum-exp and the custom VJP are those of ``_blockwise``
 (see there), with :class:`gc_jax.losses._strategies.Softmax` forming each row's
@@ -18,23 +19,29 @@ as ``jnp.max`` differentiates): ``dq = w . d`` and ``dd = w^T . q`` with ``w`` t
 ``bq x bk x T x S`` tiles plus the batch-sized inputs and gradients, whatever the
 batch size. The ring across devices is in ``_maxsim_ring``.
 
-The small block helpers (``read``, ``write``, ``loop``, ``first``, ...) are those
-of ``_blockwise``, generalised to the several arrays (tokens and masks) a block holds.
+The block helpers (``read_tree``, ``write``, ``loop``, ``first``, ...) are
+``_tiles``', the same for every loss: a block of MaxSim rows is a pytree (tokens and
+mask) read leaf by leaf.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax import _distributed, _narrow
+from gc_jax.losses._order import zero_after
 from gc_jax.losses._strategies import Softmax
+from gc_jax.losses._tiles import blocks, first, loop, own_rows, write, zeros
+from gc_jax.losses._tiles import read_tree as read
 
 Scalar = jax.Array
+
+
+EMPTY = -1e9  # the score of a document with no token: out of the softmax, as in ST
 
 
 class Side(NamedTuple):
@@ -42,56 +49,6 @@ class Side(NamedTuple):
 
     tokens: jax.Array
     mask: jax.Array
-
-
-# --- blocks of rows -------------------------------------------------------------
-
-
-def read(v: Any, start: jax.Array, size: int) -> Any:
-    """Rows ``start : start + size`` of every leaf of ``v``."""
-
-    def one(v):
-        get = lambda v: jax.lax.dynamic_slice_in_dim(v, start, size)
-        return _narrow.on_cpu_as_bits(get, v) if _narrow.is_narrow(v) else get(v)
-
-    return jax.tree.map(one, v)
-
-
-def write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """``buf`` with ``rows`` written from row ``start`` on (in place)."""
-    put = lambda buf, rows: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, 0)
-    return _narrow.on_cpu_as_bits(put, buf, rows) if _narrow.is_narrow(buf) else put(buf, rows)
-
-
-def loop(body: Callable, steps: int, init: Any, *arrays: Any) -> Any:
-    """``fori_loop`` of ``carry = body(i, carry, *arrays)``; ``arrays`` go through an
-    optimisation barrier so that XLA touches them a block at a time."""
-
-    def step(i, state):
-        carry, arrays = state
-        arrays = jax.lax.optimization_barrier(arrays)
-        return body(i, carry, *arrays), arrays
-
-    return jax.lax.fori_loop(0, steps, step, (init, arrays))[0]
-
-
-def blocks(rows: int, size: int) -> int:
-    return -(-rows // size)
-
-
-def first(i: jax.Array, size: int, rows: int) -> jax.Array:
-    """Block ``i``'s first row; a last block that would run past ``rows`` starts earlier."""
-    return jnp.minimum(i * size, rows - size)
-
-
-def own_rows(start: jax.Array, size: int, own: jax.Array) -> jax.Array:
-    """``[size, 1]``: whether each row of a block from ``start`` is at or after ``own``."""
-    return (start + jnp.arange(size) >= own)[:, None]
-
-
-def zeros(like: jax.Array, dtype: Any, *others: Any) -> jax.Array:
-    """Zeros typed like ``like``, varying over the ``shard_map`` axes ``others`` vary over."""
-    return _distributed.vary_like(jnp.zeros_like(like, dtype), *others)
 
 
 # --- one tile -------------------------------------------------------------------
@@ -102,8 +59,9 @@ def scores(x: Side, y: Side, acc: Any) -> tuple[jax.Array, jax.Array, jax.Array]
     sims = jnp.einsum("itc,jsc->ijts", x.tokens, y.tokens, preferred_element_type=acc)
     sims = jnp.where(y.mask[None, :, None, :], sims, -jnp.inf)
     best = jnp.max(sims, axis=-1)
-    counted = x.mask[:, None, :] & jnp.any(y.mask, axis=-1)[None, :, None]
-    return jnp.where(counted, best, 0).sum(axis=-1), sims, best
+    filled = jnp.any(y.mask, axis=-1)[None, :]
+    raw = jnp.where(x.mask[:, None, :] & filled[..., None], best, 0).sum(axis=-1)
+    return jnp.where(filled, raw, EMPTY), sims, best
 
 
 def _weights(x: Side, y: Side, sims, best, draw: jax.Array, acc: Any) -> jax.Array:
@@ -125,6 +83,8 @@ def _logits(raw, targets, start, own, scale):
     """Logits, the columns the tile owns (not the previous block's) and the targets."""
     cols = start + jnp.arange(raw.shape[1])
     valid = (cols >= own)[None, :]
+    if targets is None:  # no column is any row's target (another device's block)
+        return scale * raw, valid, jnp.zeros_like(valid)
     return scale * raw, valid, valid & (cols[None, :] == targets[:, None])
 
 
@@ -230,9 +190,8 @@ def backward(block, x: Side, y: Side, targets, scale, lse, g):
     zero = zeros(y.tokens[0, 0, 0], acc, x, y)
     init = (_distributed.vary_like(x.tokens, x, y), zero)
     dx, dscale = loop(query_block, nq, init, y, *queries)
-    after = jnp.where(dscale > jnp.inf, 1, 0)  # 0, known only once dscale is
     dy = _distributed.vary_like(y.tokens, x, y)
-    dy = loop(key_block, m // bk, dy, after, y.mask, *queries)
+    dy = loop(key_block, m // bk, dy, zero_after(dscale), y.mask, *queries)
     if m % bk:  # the last block overlaps the one before: only its own rows are written
         own = m % bk
         last = key_grad(nk - 1, dy, y.mask, queries)[bk - own :]

@@ -158,6 +158,10 @@ def spec(options: Options, k: int) -> Spec:
             "p", "x", rule(protect="self"), 0 if joint else 1, None if joint else "self"
         ),
         "doc_to_doc": Family("p", "y", rule(exclude="owner", docs=True)),
+        # GISTEmbedLoss' own blocks (``gist_loss``): self pairs are left to the guide,
+        # and its positive-positive block holds no hard negative.
+        "gist_query_to_query": Family("x", "x", rule()),
+        "gist_doc_to_doc": Family("p", "y", rule(exclude="negatives", docs=True)),
     }
     families = tuple(make[d] for d in options.directions)
     return Spec(families, 1 if joint else len(families), k)

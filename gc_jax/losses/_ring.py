@@ -1,4 +1,9 @@
-"""Row-wise blockwise losses across devices on a ring: nothing batch-sized is gathered.
+"""The ring across devices: the one schedule every ring loss runs, and the row-wise losses.
+
+:func:`around` (forward) and :func:`around_back` (backward) are the schedule;
+``_maxsim_ring`` and ``_ring_families`` run it too, with their own visits.
+
+Nothing batch-sized is gathered.
 
 Inside ``shard_map``/``pmap`` every device keeps its own rows of ``x`` and ``ys``. The
 blocks of ``ys`` travel around the ring of the ``axis_name`` devices with
@@ -30,96 +35,108 @@ accumulator backward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
 from gc_jax.losses import _blockwise, _tiles
+from gc_jax.losses._order import after
 from gc_jax.losses._strategies import Strategy
 
 Scalar = jax.Array
 
 
-def shift(v: jax.Array, axis_name: AxisName) -> jax.Array:
-    """``v`` of device ``p - 1``, on every device ``p`` (a ring of ``axis_name``)."""
+def shift(v: Any, axis_name: AxisName) -> Any:
+    """``v`` (an array) of device ``p - 1``, on every device ``p`` (a ring of ``axis_name``)."""
     size = jax.lax.axis_size(axis_name)
     return jax.lax.ppermute(v, axis_name, [(p, (p + 1) % size) for p in range(size)])
 
 
-def after(v: jax.Array, *deps: jax.Array) -> jax.Array:
-    """``v``, computed only once ``deps`` are: ``v + 0 * sum(deps)``.
+def send(tree: Any, axis_name: AxisName) -> Any:
+    """``tree`` of device ``p - 1``, on every device ``p``: one ``ppermute`` per leaf,
+    each after the one before (independent collectives may deadlock XLA:CPU, ``_order``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sent = []
+    for leaf in leaves:
+        sent.append(shift(after(leaf, sent[-1]) if sent else leaf, axis_name))
+    return jax.tree.unflatten(treedef, sent)
 
-    Orders collectives that would otherwise be independent: the ring's last
-    ``ppermute`` before the scalars' gradient ``psum``, one ring of the clip loss
-    before the other. XLA:CPU in jaxlib 0.10 expands ``optimization_barrier`` away
-    before scheduling, runs independent collectives concurrently and keys them all
-    alike (``op_id=1``): devices entering two of them in different orders wait for
-    each other until the process aborts. ``x * 0`` is kept for floats (NaN and
-    infinity), so the dependency survives; it adds zero to finite values.
+
+def around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
+    """The forward schedule: ``state = visit(block, state, own)`` for every device's block.
+
+    Step 0 visits this device's own block (``own`` true: the one holding the targets);
+    at every later step the block held is first sent on (double buffering), then
+    visited. The last block is not sent on.
     """
-    zero = sum(jnp.sum(d).astype(v.dtype) for d in deps) * jnp.zeros((), v.dtype)
-    return v + zero
+    size = jax.lax.axis_size(axis_name)
+    if size == 1:
+        return visit(here, state, True)
+    arriving = send(here, axis_name)
+    state = visit(here, state, True)
+
+    def step(_, carry):
+        here, state = carry
+        return send(here, axis_name), visit(here, state, False)
+
+    here, state = jax.lax.fori_loop(1, size - 1, step, (arriving, state))
+    return visit(here, state, False)
 
 
-def _elsewhere(targets: jax.Array) -> jax.Array:
-    """Targets for a block from another device: no column is any row's target."""
-    return jnp.full_like(targets, -1)
+def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName):
+    """The backward schedule: ``(acc, state) = visit(block, acc, state, own)`` around the ring.
+
+    ``acc`` is the gradient of the block visited: it travels one step behind its block
+    and, after the full circle, one last ``ppermute`` brings it home, to the block's
+    owner. ``acc`` and ``state`` may be None at step 0 (``visit`` then starts them).
+    Returns ``(this device's block's gradient, state)``.
+    """
+    size = jax.lax.axis_size(axis_name)
+    arriving = send(here, axis_name) if size > 1 else here
+    acc, state = visit(here, acc, state, True)
+    if size == 1:
+        return acc, state
+
+    def step(_, carry, send_on=True):
+        here, behind, state = carry
+        arriving = send(here, axis_name) if send_on else here
+        behind = shift(after(behind, arriving), axis_name)  # the gradient of the block here
+        behind, state = visit(here, behind, state, False)
+        return arriving, behind, state
+
+    carry = jax.lax.fori_loop(1, size - 1, step, (arriving, acc, state))
+    _, acc, state = step(size - 1, carry, send_on=False)
+    return shift(acc, axis_name), state
 
 
 def _forward(kind, block, axis_name, x, ys, targets, scale, bias):
     """Per-row losses and statistics of this device's ``x`` against every device's ``ys``."""
-    size = jax.lax.axis_size(axis_name)
-    sweep = lambda ys, targets, carry: _blockwise.sweep(
-        kind, block, x, ys, targets, scale, bias, carry
-    )
+
+    def visit(here, carry, own):  # another device's block holds no row's target
+        return _blockwise.sweep(kind, block, x, here, targets if own else None, scale, bias, carry)
+
     carry = _blockwise.init(kind, x, ys, dtype=scale.dtype)
-    if size == 1:
-        return kind.finish(sweep(ys, targets, carry))
-    elsewhere = _elsewhere(targets)
-
-    def step(_, state):  # steps 1 .. size - 2: send the block on, then compute on it
-        here, carry = state
-        arriving = shift(here, axis_name)
-        return arriving, sweep(here, elsewhere, carry)
-
-    arriving = shift(ys, axis_name)
-    carry = sweep(ys, targets, carry)  # step 0: this device's own block, with the targets
-    here, carry = jax.lax.fori_loop(1, size - 1, step, (arriving, carry))
-    return kind.finish(sweep(here, elsewhere, carry))  # the last block is not sent on
+    return kind.finish(around(visit, ys, carry, axis_name))
 
 
 def _backward(kind, block, axis_name, x, ys, targets, scale, bias, stat, g):
     """Cotangents of ``x, ys, scale, bias``; ``dys`` comes home after the full circle."""
-    size = jax.lax.axis_size(axis_name)
     acc = scale.dtype
 
-    def visit(here, targets):
+    def visit(here, behind, grads, own):
         dx, dys, dscale, dbias = _blockwise.backward(
-            kind, block, x, here, targets, scale, bias, stat, g
+            kind, block, x, here, targets if own else None, scale, bias, stat, g
         )
-        return dx.astype(acc), dys.astype(acc), dscale, dbias
+        dys, new = dys.astype(acc), (dx.astype(acc), dscale, dbias)
+        if behind is None:  # step 0
+            return dys, new
+        return behind + dys, tuple(u + v for u, v in zip(grads, new, strict=True))
 
-    def add(a, b):
-        return tuple(u + v for u, v in zip(a, b, strict=True))
-
-    def step(_, state, send=True):
-        """Sends this block on and the previous block's accumulator, then computes."""
-        here, behind, grads = state
-        arriving = shift(here, axis_name) if send else here
-        behind = shift(behind, axis_name)  # now this block's accumulator
-        dx, dys, dscale, dbias = visit(here, _elsewhere(targets))
-        return arriving, behind + dys, add(grads, (dx, dscale, dbias))
-
-    arriving = shift(ys, axis_name) if size > 1 else ys
-    dx, dys, dscale, dbias = visit(ys, targets)  # step 0: this device's own block
-    state = (arriving, dys, (dx, dscale, dbias))
-    if size > 1:
-        state = jax.lax.fori_loop(1, size - 1, step, state)
-        state = step(size - 1, state, send=False)
-    _, dys, (dx, dscale, dbias) = state
-    dys = shift(dys, axis_name) if size > 1 else dys  # home: the block's owner
-    dx, dscale, dbias = (after(v, dys) for v in (dx, dscale, dbias))
+    dys, (dx, dscale, dbias) = around_back(visit, ys, None, None, axis_name)
+    dx, dscale, dbias = after((dx, dscale, dbias), dys)  # every ppermute before the psum
     return dx.astype(x.dtype), dys.astype(ys.dtype), dscale, dbias
 
 

@@ -12,13 +12,12 @@ The backward makes the same passes: the rows' gradients are added into buffers
 that stay here, each block's into an accumulator that travels one step behind it
 and comes home after the full circle (``_blockwise.backward(into=...)``). The two
 passes, and each pass's last ``ppermute`` and the scalars' ``psum``, are ordered by
-data dependencies (``_ring.after``).
+data dependencies (``_order.after``); the schedule is ``_ring``'s.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,7 +27,8 @@ from gc_jax import _distributed
 from gc_jax._base import AxisName
 from gc_jax.losses import _blockwise, _options, _tiles
 from gc_jax.losses._families import Spec
-from gc_jax.losses._ring import shift
+from gc_jax.losses._order import after
+from gc_jax.losses._ring import around, around_back
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
 
@@ -39,64 +39,6 @@ def _passes(spec: Spec) -> tuple[str, ...]:
 
 def _rows(fam, sides: dict, k: int) -> Any:
     return sides["x"] if fam.rows == "x" else Firsts(sides["y"], k)
-
-
-def _after(tree: Any, deps: Any) -> Any:
-    """``tree``'s leaves, each computed only once every leaf of ``deps`` is.
-
-    Like ``_ring.after``, but through a comparison: ``deps`` may hold infinities (an
-    empty group's running maximum is ``-inf``), which ``0 * dep`` would make NaN.
-    """
-    total = sum(jnp.sum(d).astype(jnp.float32) for d in jax.tree.leaves(deps))
-    zero = jnp.where(total > jnp.inf, 1, 0)  # never true, NaN included
-    return jax.tree.map(lambda v: v + zero.astype(v.dtype), tree)
-
-
-def _send(tree: Any, axis_name: AxisName) -> Any:
-    """``tree`` of device ``p - 1``, on every device ``p``: one ``ppermute`` per leaf,
-    each after the one before (independent collectives may deadlock XLA:CPU)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    sent = []
-    for leaf in leaves:
-        sent.append(shift(_after(leaf, sent[-1]) if sent else leaf, axis_name))
-    return jax.tree.unflatten(treedef, sent)
-
-
-def _around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
-    """``state = visit(block, state, own)`` for every device's block, travelling."""
-    size = jax.lax.axis_size(axis_name)
-    if size == 1:
-        return visit(here, state, True)
-    arriving = _send(here, axis_name)
-    state = visit(here, state, True)
-
-    def step(_, carry):  # send the block on, then compute on it
-        here, state = carry
-        return _send(here, axis_name), visit(here, state, False)
-
-    here, state = jax.lax.fori_loop(1, size - 1, step, (arriving, state))
-    return visit(here, state, False)  # the last block is not sent on
-
-
-def _around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName):
-    """``(acc, state) = visit(block, acc, state, own)`` around the ring; ``acc`` (the
-    block's gradient) travels one step behind its block and is returned home."""
-    size = jax.lax.axis_size(axis_name)
-    arriving = _send(here, axis_name) if size > 1 else here
-    acc, state = visit(here, acc, state, True)
-    if size == 1:
-        return acc, state
-
-    def step(_, carry, send=True):
-        here, behind, state = carry
-        arriving = _send(here, axis_name) if send else here
-        behind = shift(_after(behind, arriving), axis_name)  # the block held here's gradient
-        behind, state = visit(here, behind, state, False)
-        return arriving, behind, state
-
-    carry = jax.lax.fori_loop(1, size - 1, step, (arriving, acc, state))
-    _, acc, state = step(size - 1, carry, send=False)
-    return shift(acc, axis_name), state  # home: the block's owner
 
 
 def _forward(spec, block, axis_name, sides, scale, meta):
@@ -118,8 +60,8 @@ def _forward(spec, block, axis_name, sides, scale, meta):
 
         here = (sides[side], meta["cols"][side])
         if n:  # the second ring starts once the first is done
-            here = _after(here, carries)
-        carries = _around(visit, here, carries, axis_name)
+            here = after(here, carries)
+        carries = around(visit, here, carries, axis_name)
     losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
     return sum(losses) / spec.groups, stats
 
@@ -148,14 +90,14 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
 
         here = (sides[side], meta["cols"][side])
         if n:  # the second ring starts once the first is done
-            here = _after(here, state)
-        home, state = _around_back(visit, here, _tiles.zeros(sides[side], acc, x, y), state,
+            here = after(here, state)
+        home, state = around_back(visit, here, _tiles.zeros(sides[side], acc, x, y), state,
                                    axis_name)  # fmt: skip
         dx, dy, dscale = state
         state = (dx + home, dy, dscale) if side == "x" else (dx, dy + home, dscale)
     dx, dy, dscale = state
-    dx, dscale = _after((dx, dscale), dy)  # every ppermute before the scalars' psum
-    dscale = _after(dscale, dx)
+    dx, dscale = after((dx, dscale), dy)  # every ppermute before the scalars' psum
+    dscale = after(dscale, dx)
     return {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}, dscale
 
 
