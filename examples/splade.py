@@ -64,7 +64,9 @@ def mlm_logits(params: dict, ids: jax.Array, mask: jax.Array) -> jax.Array:
     """A tiny masked-LM: token embeddings, one mixing layer with the text's mean, tied head."""
     e = params["embed"][ids]  # [rows, tokens, hidden]
     m = mask[..., None].astype(e.dtype)
-    context = jnp.sum(e * m, axis=1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1)
+    context = jnp.sum(e * m, axis=1, keepdims=True) / jnp.maximum(
+        jnp.sum(m, axis=1, keepdims=True), 1
+    )
     h = jnp.tanh(e + jnp.tanh(context @ params["mix"]) @ params["out"])
     return h @ params["embed"].T + params["bias"]  # [rows, tokens, vocab]
 

@@ -137,11 +137,9 @@ def test_gor_hinge_off_below_the_uniform_second_moment():
 
 def test_bfloat16_rows_float32_term_bfloat16_gradients():
     x, t = _rows(16, 8, seed=2)
-    for name in TERMS:
-        term, _ = TERMS[name]
-        value, grad = jax.jit(jax.value_and_grad(lambda x: _call(name, term, x, t)))(
-            x.astype(jnp.bfloat16)
-        )
+    for name, (term, _) in TERMS.items():
+        f = jax.value_and_grad(lambda x, name=name, term=term: _call(name, term, x, t))
+        value, grad = jax.jit(f)(x.astype(jnp.bfloat16))
         assert value.dtype == jnp.float32 and grad.dtype == jnp.bfloat16, name
         want = _reference(name, x.astype(jnp.bfloat16).astype(jnp.float32), t)
         chex.assert_trees_all_close(value, want[0], rtol=1e-4)
@@ -150,7 +148,7 @@ def test_bfloat16_rows_float32_term_bfloat16_gradients():
 def test_no_gradient_reaches_the_teacher():
     x, t = _rows(8, 4, seed=3)
     for metric in ("squared_l2", "cosine"):
-        grad = jax.grad(lambda t: embedding_distillation(x, t, metric=metric))(t)
+        grad = jax.grad(functools.partial(embedding_distillation, x, metric=metric))(t)
         assert not np.any(np.asarray(grad)), metric
 
 
@@ -199,7 +197,9 @@ def gemma_terms(params, q, d, tq, td, *, contrastive, spread, distill, axis_name
     nce = contrastive(q, d, temperature=TEMPERATURE, **kw)
     spread_out = spread(q, **kw) + spread(positives, **kw)
     distilled = (
-        distill(q, tq, **kw) + distill(positives, td[::2], **kw) + distill(negatives, td[1::2], **kw)
+        distill(q, tq, **kw)
+        + distill(positives, td[::2], **kw)
+        + distill(negatives, td[1::2], **kw)
     )
     return nce + SPREAD * spread_out + DISTILL * distilled
 
@@ -267,9 +267,7 @@ def test_gemma_loss_cached_inside_shard_map(mesh, method):
     loss = gemma_loss(method=method, block_size=2)
     grad_fn = gc_jax.cached_value_and_grad(loss, encode, chunk_size=1, axis_name="d")
     per_device = lambda p, q, d, tq, td: grad_fn(p, q, d, teacher=(tq, td), axis_name="d")
-    f = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(P(), *[P("d")] * 4), out_specs=(P(), P())
-    )
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), *[P("d")] * 4), out_specs=(P(), P()))
     got = jax.jit(f)(params, *_sharded(mesh, q, d, *teacher))
     chex.assert_trees_all_close(got, want, **TOL)
 

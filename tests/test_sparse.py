@@ -127,7 +127,9 @@ def _reference(q, d, k):
 def test_vocabulary_sized_rows_on_one_device(block_size):
     q, d = _sparse_rows(12, 2, seed=2)
     want = _reference(q, d, 2)
-    f = jax.jit(jax.value_and_grad(functools.partial(sparse_objective, block_size=block_size), (0, 1)))
+    f = jax.jit(
+        jax.value_and_grad(functools.partial(sparse_objective, block_size=block_size), (0, 1))
+    )
     chex.assert_trees_all_close(f(q, d), want, **TOL)
 
 
@@ -178,7 +180,9 @@ def test_the_example_step_is_exact_against_the_full_batch():
         params, queries, docs, step=step
     )
     with jax.enable_x64(True):
-        enc = lambda p, b: splade_pool(splade.mlm_logits(p, b["ids"], b["mask"]), b["mask"], dtype=None)
+        enc = lambda p, b: splade_pool(
+            splade.mlm_logits(p, b["ids"], b["mask"]), b["mask"], dtype=None
+        )
         total = lambda p: loss(p, enc(p, queries), enc(p, docs), step=step)
         p64 = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
         want = jax.tree.map(np.asarray, jax.value_and_grad(total)(p64))

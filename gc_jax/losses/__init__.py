@@ -67,11 +67,13 @@ from gc_jax.losses._ids import text_ids
 from gc_jax.losses._matryoshka import matryoshka
 from gc_jax.losses._maxsim import maxsim_loss
 from gc_jax.losses._sigmoid import sigmoid_loss
-from gc_jax.losses._sparse import flops_regularizer
-from gc_jax.losses._sparse import l1_regularizer
-from gc_jax.losses._sparse import quadratic_warmup
-from gc_jax.losses._sparse import sparse_regularizer
-from gc_jax.losses._sparse import splade_pool
+from gc_jax.losses._sparse import (
+    flops_regularizer,
+    l1_regularizer,
+    quadratic_warmup,
+    sparse_regularizer,
+    splade_pool,
+)
 from gc_jax.losses._spread_out import spread_out_regularizer
 
 __all__ = [

@@ -32,12 +32,14 @@ def accumulation_dtype(*arrays: jax.Array) -> Any:
 
 
 def _global_of(fn: Callable[[PyTree], jax.Array], stats: PyTree, axis_name: AxisName) -> jax.Array:
-    """``fn(psum(stats))`` in value; differentiates like ``fn'(S) . stats`` (this device's share)."""
+    """``fn(psum(stats))`` in value; differentiates like ``fn'(S) . stats`` (the share)."""
     total = jax.lax.stop_gradient(jax.lax.psum(stats, axis_name))
     value, vjp = jax.vjp(fn, total)
     (slope,) = vjp(jnp.ones_like(value))
     slope = jax.lax.stop_gradient(slope)
-    share = sum(jnp.vdot(g, s) for g, s in zip(jax.tree.leaves(slope), jax.tree.leaves(stats), strict=True))
+    share = sum(
+        jnp.vdot(g, s) for g, s in zip(jax.tree.leaves(slope), jax.tree.leaves(stats), strict=True)
+    )
     devices = jax.lax.axis_size(axis_name)
     # The linear share carries the gradient; the constant makes the shares sum to fn(S).
     share = share + jax.lax.stop_gradient(value / devices - share)

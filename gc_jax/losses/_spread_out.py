@@ -14,7 +14,7 @@ VARIANTS = ("second_moment", "gor")
 def spread_out_regularizer(
     x: jax.Array, *, variant: str = "second_moment", axis_name: AxisName | None = None
 ) -> jax.Array:
-    """The spread-out regulariser: pushes every pair of the batch's embeddings apart, towards orthogonal.
+    """The spread-out regulariser: pushes the batch's embeddings apart, towards orthogonal.
 
     Zhang, Yu, Kumar and Chang, "Learning Spread-out Local Feature Descriptors" (ICCV
     2017) observe that two points drawn uniformly on the unit sphere of ``R^d`` have an
