@@ -8,6 +8,7 @@ makes sure no block on any other page goes untested.
 """
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -58,6 +59,13 @@ PAGES = {
         "gathered once per step: full fine-tuning, the local view",
     ],
     "correctness.md": ["check your model", "a model that mixes rows"],
+    "recipes.md": [
+        "setup",
+        "sparse: the encoder",
+        "sparse: the step",
+        "EmbeddingGemma: the loss",
+        "EmbeddingGemma: the step",
+    ],
 }
 TESTED_ELSEWHERE = {
     "models.md",  # tests/test_docs.py
@@ -282,3 +290,30 @@ def test_large_embedders():
     )
     got = jax.device_get((ns["full_loss"], ns["full_grads"]))
     chex.assert_trees_all_close(got, jax.device_get(want), rtol=1e-4, atol=1e-5)
+
+
+def test_recipes():
+    """Each recipe's step against plain ``jax.value_and_grad`` of the whole batch (the
+    EmbeddingGemma one unsharded), and the adamw update it makes."""
+    ns = run("recipes.md", *PAGES["recipes.md"][:3])
+    q, d = ns["sparse_queries"], ns["sparse_docs"]
+    loss = functools.partial(ns["sparse_loss"], step=0)
+    want_loss, want_grads = full_value_and_grad(
+        loss, ns["sparse_encode"], ns["sparse_params"], q, d
+    )
+    # bfloat16 rows: chunks and the whole batch may round a weight apart.
+    chex.assert_trees_all_close(ns["sparse_metrics"]["loss"], want_loss, rtol=1e-3)
+    got = ns["sparse_state"].params
+    want = adamw_step(ns["sparse_params"], want_grads, lr=3e-3)
+    chex.assert_trees_all_close(got, want, atol=3e-4)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, ns["sparse_params"])
+    assert all(m > 1e-3 for m in jax.tree.leaves(moved)), moved
+
+    run("recipes.md", *PAGES["recipes.md"][3:], namespace=ns)
+    teacher = jax.device_get(ns["teacher"])
+    loss = functools.partial(ns["gemma_loss"], teacher=teacher)
+    q, d = jax.device_get((ns["inputs_q"], ns["inputs_d"]))
+    want_loss, want_grads = full_value_and_grad(loss, ns["gemma_encode"], ns["gemma_params"], q, d)
+    chex.assert_trees_all_close(ns["gemma_metrics"]["loss"], want_loss, **TOL)
+    got = jax.device_get(ns["gemma_state"].params)
+    chex.assert_trees_all_close(got, adamw_step(ns["gemma_params"], want_grads), **TOL)

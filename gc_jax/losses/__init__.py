@@ -62,18 +62,34 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 # The public losses, one per line (optax style); the forms they share are private.
 from gc_jax.losses._clip import clip_loss
 from gc_jax.losses._contrastive import contrastive_loss
+from gc_jax.losses._distillation import embedding_distillation
 from gc_jax.losses._gist import gist_loss
 from gc_jax.losses._ids import text_ids
 from gc_jax.losses._matryoshka import matryoshka
 from gc_jax.losses._maxsim import maxsim_loss
 from gc_jax.losses._sigmoid import sigmoid_loss
+from gc_jax.losses._sparse import (
+    flops_regularizer,
+    l1_regularizer,
+    quadratic_warmup,
+    sparse_regularizer,
+    splade_pool,
+)
+from gc_jax.losses._spread_out import spread_out_regularizer
 
 __all__ = [
     "clip_loss",
     "contrastive_loss",
+    "embedding_distillation",
+    "flops_regularizer",
     "gist_loss",
+    "l1_regularizer",
     "matryoshka",
     "maxsim_loss",
+    "quadratic_warmup",
     "sigmoid_loss",
+    "sparse_regularizer",
+    "splade_pool",
+    "spread_out_regularizer",
     "text_ids",
 ]
