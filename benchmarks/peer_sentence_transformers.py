@@ -49,32 +49,41 @@ CASES = {
         {"directions": ("query_to_doc", "query_to_query", "doc_to_doc")},
         ("mnrl", {"directions": ("query_to_doc", "query_to_query", "doc_to_doc")}),
     ),
-    "GIST, pairs, absolute 0.1": (
-        1,
-        {"directions": ("query_to_doc", "query_to_query", "doc_to_doc"), "margin": 0.1},
-        ("gist", {"margin": 0.1}),
-    ),
+    # GISTEmbedLoss: gc_jax's gist_loss takes its arguments as they are.
+    "GIST, pairs, absolute 0.1": (1, {"margin": 0.1}, ("gist", {"margin": 0.1})),
     "GIST, pairs, relative 0.3": (
         1,
-        {
-            "directions": ("query_to_doc", "query_to_query", "doc_to_doc"),
-            "margin_strategy": "relative",
-            "margin": 0.3,
-        },
+        {"margin_strategy": "relative", "margin": 0.3},
         ("gist", {"margin_strategy": "relative", "margin": 0.3}),
     ),
     "GIST, triplets, anchors only": (
         2,
-        {"directions": ("query_to_doc", "query_to_query"), "margin": 0.05},
+        {"margin": 0.05, "contrast_positives": False},
         ("gist", {"margin": 0.05, "contrast_positives": False}),
     ),
-    "GIST, triplets, anchors and positives": (  # differs by definition: see the docstring
+    "GIST, triplets, anchors and positives": (
+        2,
+        {"margin": 0.05},
+        ("gist", {"margin": 0.05}),
+    ),
+    "GIST, 3 hard negatives, positives only": (
+        4,
+        {"margin": 0.1, "contrast_anchors": False},
+        ("gist", {"margin": 0.1, "contrast_anchors": False}),
+    ),
+    "GIST, triplets, relative 0.2": (
+        2,
+        {"margin_strategy": "relative", "margin": 0.2},
+        ("gist", {"margin_strategy": "relative", "margin": 0.2}),
+    ),
+    # GTE's directions filtered by the guide (contrastive_loss): close to GIST, not equal.
+    "GTE directions + guide vs GIST, triplets": (
         2,
         {"directions": ("query_to_doc", "query_to_query", "doc_to_doc"), "margin": 0.05},
         ("gist", {"margin": 0.05}),
     ),
 }
-DIFFERS = {"GIST, triplets, anchors and positives"}  # doc_to_doc holds hard negatives there
+DIFFERS = {"GTE directions + guide vs GIST, triplets"}  # self pairs; doc_to_doc's negatives
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,7 +133,8 @@ def st_side(data: dict, case: tuple, temperature: float) -> tuple[float, list[np
         torch.nn.Module.__init__(loss_fn)
         loss_fn.temperature, loss_fn.similarity_fct = temperature, torch.nn.CosineSimilarity(-1)
         loss_fn.margin_strategy = opts.get("margin_strategy", "absolute")
-        loss_fn.margin, loss_fn.contrast_anchors = opts["margin"], True
+        loss_fn.margin = opts["margin"]
+        loss_fn.contrast_anchors = opts.get("contrast_anchors", True)
         loss_fn.contrast_positives = opts.get("contrast_positives", True)
         loss_fn.gather_across_devices, loss_fn.show_progress_bar = False, False
         loss_fn.mini_batch_size = len(data["q"])
@@ -141,20 +151,22 @@ def gc_jax_side(
     """gc_jax's loss and gradients, in sentence-transformers' column layout."""
     import jax.numpy as jnp
 
-    from gc_jax.losses import contrastive_loss
+    from gc_jax.losses import contrastive_loss, gist_loss
 
     (k, opts, (kind, _)) = case
     n, dim = data["q"].shape
     unit = lambda v: v / jnp.linalg.norm(v, axis=-1, keepdims=True)
     prep = unit if kind == "gist" else (lambda v: v)
+    fn = contrastive_loss
     if kind == "gist":
         guide = (unit(jnp.asarray(data["gq"])), unit(jnp.asarray(data["gdocs"]).reshape(n * k, -1)))
-        opts = {**opts, "guide": guide}
+        if "directions" in opts:  # GTE's directions with a guide
+            opts = {**opts, "guide": guide}
+        else:
+            fn = lambda q, y, **kw: gist_loss(q, y, guide, **kw)
 
     def loss(q, y):
-        return contrastive_loss(
-            prep(q), prep(y), temperature=temperature, block_size=block_size, **opts
-        )
+        return fn(prep(q), prep(y), temperature=temperature, block_size=block_size, **opts)
 
     y = jnp.asarray(data["docs"]).reshape(n * k, dim)
     value, (dq, dy) = jax.jit(jax.value_and_grad(loss, (0, 1)))(jnp.asarray(data["q"]), y)
