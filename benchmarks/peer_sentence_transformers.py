@@ -30,6 +30,14 @@ import numpy as np
 from benchmarks import common
 
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+HARD = {"hardness_mode": "hard_negatives", "hardness_strength": 5.0}
+IN_BATCH = {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0}
+ALL_GTE = {"directions": GTE, "hardness_mode": "all_negatives", "hardness_strength": 2.0}
+IN_BATCH_SYM = {
+    **IN_BATCH,
+    "directions": ("query_to_doc", "doc_to_query"),
+    "partition_mode": "per_direction",
+}
 # name: (k, gc_jax options, sentence-transformers loss and options)
 CASES = {
     "InfoNCE": (1, {}, ("mnrl", {})),
@@ -49,6 +57,11 @@ CASES = {
         {"directions": ("query_to_doc", "query_to_query", "doc_to_doc")},
         ("mnrl", {"directions": ("query_to_doc", "query_to_query", "doc_to_doc")}),
     ),
+    # hardness_mode: a bias on chosen negatives' logits (Lan et al. 2025; EmbeddingGemma).
+    "hardness, hard negatives 5": (3, HARD, ("mnrl", HARD)),
+    "hardness, in-batch 9, pairs": (1, IN_BATCH, ("mnrl", IN_BATCH)),
+    "hardness, all negatives 2, GTE": (3, ALL_GTE, ("mnrl", ALL_GTE)),
+    "hardness, in-batch 9, per_direction": (3, IN_BATCH_SYM, ("mnrl", IN_BATCH_SYM)),
     # GISTEmbedLoss: gc_jax's gist_loss takes its arguments as they are.
     "GIST, pairs, absolute 0.1": (1, {"margin": 0.1}, ("gist", {"margin": 0.1})),
     "GIST, pairs, relative 0.3": (
@@ -108,6 +121,7 @@ def batch(n: int, k: int, dim: int, seed: int = 0) -> dict[str, np.ndarray]:
     q = rng.normal(size=(n, dim))
     docs = rng.normal(size=(n, k, dim))
     docs[:, 0] = q + 0.8 * rng.normal(size=(n, dim))  # positives near their query
+    docs[:, 1:] = q[:, None] + 1.6 * docs[:, 1:]  # hard negatives nearer than the others
     gq = q[:, : dim // 2] + 0.5 * rng.normal(size=(n, dim // 2))
     gdocs = docs[..., : dim // 2] + 0.5 * rng.normal(size=(n, k, dim // 2))
     return {"q": q, "docs": docs, "gq": gq, "gdocs": gdocs}

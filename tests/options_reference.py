@@ -71,14 +71,31 @@ def contrastive(
     margin_strategy="absolute",
     margin=0.0,
     reduction="mean",
+    hardness_mode=None,
+    hardness_strength=0.0,
 ):
-    """The loss, differentiable in ``x``, ``y`` and ``temperature``."""
+    """The loss, differentiable in ``x``, ``y`` and ``temperature``.
+
+    ``hardness_mode``: sentence-transformers' penalty, ``alpha * stop_gradient(x_i . y_j)``
+    added to the chosen negatives' ``query_to_doc`` logits after the temperature.
+    """
     n, k = x.shape[0], y.shape[0] // x.shape[0]
     keep = keep_masks(n, k, directions, query_ids, doc_ids, guide, margin_strategy, margin)
     p = y[::k]
     scores = {"query_to_doc": x @ y.T, "query_to_query": x @ x.T,
               "doc_to_query": p @ x.T, "doc_to_doc": p @ y.T}  # fmt: skip
-    logits = {d: jnp.where(keep[d], scores[d] / temperature, -jnp.inf) for d in directions}
+    logits = {d: scores[d] / temperature for d in directions}
+    if hardness_mode is not None:
+        chosen = np.zeros((n, n * k), bool)
+        for i in range(n):
+            for j in range(n * k):
+                own, positive = j // k == i, j == i * k
+                chosen[i, j] = {"hard_negatives": own and not positive,
+                                "in_batch_negatives": not own,
+                                "all_negatives": not positive}[hardness_mode]  # fmt: skip
+        penalty = hardness_strength * jax.lax.stop_gradient(scores["query_to_doc"])
+        logits["query_to_doc"] = logits["query_to_doc"] + jnp.where(chosen, penalty, 0)
+    logits = {d: jnp.where(keep[d], logits[d], -jnp.inf) for d in directions}
     positive = jnp.sum(x * p, axis=1) / temperature
     if partition_mode == "joint":
         log_z = jax.nn.logsumexp(jnp.concatenate([logits[d] for d in directions], 1), axis=1)

@@ -58,6 +58,16 @@ OPTIONS = {
         {"directions": SYMMETRIC, "partition_mode": "per_direction", "margin": -0.2},
         ("guide", "query_ids"),
     ),
+    # sentence-transformers' hardness_mode: a bias on chosen negatives' logits.
+    "hard_negatives": ({"hardness_mode": "hard_negatives", "hardness_strength": 5.0}, ()),
+    "in_batch_hardness": (
+        {"directions": GTE, "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
+        ("doc_ids",),
+    ),
+    "all_hardness_guided": (
+        {"hardness_mode": "all_negatives", "hardness_strength": 2.0, "margin": 0.1},
+        ("guide",),
+    ),
 }
 
 
@@ -106,7 +116,8 @@ def test_matches_reference(name, k, block_size):
     chex.assert_trees_all_close(got, _reference(name, k), **(BLOCK_TOL if block_size else TOL))
 
 
-@pytest.mark.parametrize("name", ["gte_ids", "gist_relative", "symmetric_guided"])
+@pytest.mark.parametrize("name", ["gte_ids", "gist_relative", "symmetric_guided",
+                                  "all_hardness_guided"])  # fmt: skip
 def test_blockwise_is_the_dense_math_in_float64(name):
     with jax.enable_x64(True):
         x, y, arrays = jax.tree.map(lambda v: v.astype(jnp.float64) if v.dtype.kind == "f" else v,
@@ -220,6 +231,12 @@ ERRORS = [
     ({"margin_strategy": "percent"}, ValueError, "margin_strategy must be one of"),
     ({"guide": (jnp.ones((4, 3)), jnp.ones((8, 3))), "margin": jnp.ones(2)}, TypeError,
      "margin must be a real scalar"),
+    ({"hardness_mode": "hard"}, ValueError, "hardness_mode must be None or one of"),
+    ({"hardness_strength": 5.0}, ValueError, "pass hardness_mode= too"),
+    ({"hardness_mode": "all_negatives", "hardness_strength": -1.0}, ValueError,
+     "hardness_strength must be >= 0"),
+    ({"hardness_mode": "all_negatives", "hardness_strength": jnp.ones(2)}, TypeError,
+     "hardness_strength must be a real scalar"),
 ]  # fmt: skip
 
 

@@ -29,7 +29,8 @@ import gc_jax
 from gc_jax.losses import contrastive_loss
 
 D, N = 8, 3  # devices, queries per device
-CASES = [("gte_ids", 1), ("gist_relative", 2), ("symmetric_guided", 2), ("gist", 3)]
+CASES = [("gte_ids", 1), ("gist_relative", 2), ("symmetric_guided", 2), ("gist", 3),
+         ("in_batch_hardness", 2), ("hard_negatives", 3)]  # fmt: skip
 FORMS = [("gather", None), ("gather", 2), ("ring", None), ("ring", 2)]
 
 

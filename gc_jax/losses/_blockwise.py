@@ -90,8 +90,9 @@ def sweep(
 
         def step(j, rows, ys, cols_meta):
             ks = first(j, bk, m)
-            keep = _keep(rule, rm, cols_meta, qs, bq, ks, bk)
-            _, z, valid, pos = tile(xq, read(ys, ks, bk), tq, ks, j * bk, scale, bias, keep)
+            keep, boost = _pairs(rule, rm, cols_meta, qs, bq, ks, bk)
+            yk = read(ys, ks, bk)
+            _, z, valid, pos = tile(xq, yk, tq, ks, j * bk, scale, bias, keep, boost)
             return kind.update(rows, z, valid, pos)
 
         after = loop(step, blocks(m, bk), before, ys, cols_meta)
@@ -102,12 +103,14 @@ def sweep(
     return loop(query_block, blocks(n, bq), carry, x, targets, ys, rows_meta, cols_meta)
 
 
-def _keep(rule, rm, cols_meta, qs, bq, ks, bk) -> jax.Array | None:
-    """The pairs of the tile at rows ``qs``, columns ``ks`` that ``rule`` keeps (or None)."""
+def _pairs(rule, rm, cols_meta, qs, bq, ks, bk) -> tuple:
+    """``rule``'s pairs of the tile at rows ``qs``, columns ``ks``: those it keeps and
+    those whose logits it boosts (each None when it has none)."""
     if rule is None:
-        return None
+        return None, None
     cm = read_tree(cols_meta, ks, bk)
-    return rule.keep(rm, cm, qs + jnp.arange(bq), ks + jnp.arange(bk))
+    rows, cols = qs + jnp.arange(bq), ks + jnp.arange(bk)
+    return rule.keep(rm, cm, rows, cols), rule.boost(rm, cm, rows, cols)
 
 
 def init(kind: Strategy, x: jax.Array | Firsts, *others: Any, dtype: Any) -> Rows:

@@ -32,6 +32,8 @@ def contrastive_loss(
     guide: tuple[jax.Array, jax.Array] | None = None,
     margin_strategy: str = "absolute",
     margin: float | jax.Array = 0.0,
+    hardness_mode: str | None = None,
+    hardness_strength: float | jax.Array = 0.0,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -96,6 +98,14 @@ def contrastive_loss(
       margin_strategy: ``"absolute"`` or ``"relative"`` (with ``guide``).
       margin: the guide's margin (with ``guide``; ``0``: drop what it scores above
         the positive).
+      hardness_mode: which negatives' logits gain ``hardness_strength * s_raw`` (their
+        score before the temperature, not differentiated), as sentence-transformers
+        6.2's ``MultipleNegativesRankingLoss``: ``"hard_negatives"`` (the query's own
+        hard negatives; EmbeddingGemma's), ``"in_batch_negatives"`` (every other
+        query's documents) or ``"all_negatives"`` (every document but the positive),
+        in ``query_to_doc`` only; or None.
+      hardness_strength: ``alpha`` above, ``>= 0`` (EmbeddingGemma uses 5 with hard
+        negatives; Lan et al. 2025 use 9 in batch).
       {shared args}
 
     Returns:
@@ -200,6 +210,8 @@ def contrastive_loss(
         _options.check_guide(guide, x, y),
         margin_strategy,
         _options.check_margin(margin, margin_strategy, guide),
+        hardness_mode,
+        _options.check_hardness(hardness_mode, hardness_strength),
     )
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     if options.plain:
@@ -220,8 +232,8 @@ def with_options(x, y, k, options, temperature, *, reduction, block_size, method
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     spec = _options.spec(options, k)
 
-    def local_options(x, y, temperature, margin, *, extras, axis_name, ring):
-        opts = options._replace(margin=margin, **extras)
+    def local_options(x, y, temperature, margin, alpha, *, extras, axis_name, ring):
+        opts = options._replace(margin=margin, hardness_strength=alpha, **extras)
         per_row = _rows(spec, opts, x, y, 1.0 / temperature, block_size, axis_name, ring)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
@@ -229,7 +241,7 @@ def with_options(x, y, k, options, temperature, *, reduction, block_size, method
     extras = {"query_ids": options.query_ids, "doc_ids": options.doc_ids, "guide": options.guide}
     sides = (y, x) if any(f.cols == "x" for f in spec.families) else (y,)
     sides += () if options.guide is None else options.guide
-    scalars = (temperature, options.margin)
+    scalars = (temperature, options.margin, jnp.asarray(options.hardness_strength, float))
     return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
 
 

@@ -84,9 +84,12 @@ def dense(spec: Spec, sides: dict, scale: Scalar, meta: dict) -> jax.Array:
     for fam in spec.families:
         rows = _tiles.dense(_rows_of(fam, sides, spec.k))
         cols = sides[_cols_key(fam, sides)]
-        z = scale * jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
+        raw = jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
         rm, cm = _tiles.dense(meta["rows"][fam.rows]), _tiles.dense(meta["cols"][fam.cols])
-        keep = fam.rule.keep(rm, cm, jnp.arange(z.shape[0]), jnp.arange(z.shape[1]))
+        at = (rm, cm, jnp.arange(raw.shape[0]), jnp.arange(raw.shape[1]))
+        z, keep, boost = scale * raw, fam.rule.keep(*at), fam.rule.boost(*at)
+        if boost is not None:
+            z = z + jnp.where(boost[0], boost[1] * jax.lax.stop_gradient(raw), 0)
         groups[fam.group].append(z if keep is None else jnp.where(keep, z, -jnp.inf))
         targets = _targets(fam, meta)
         if targets is not None:

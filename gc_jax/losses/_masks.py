@@ -47,6 +47,10 @@ class Rule(NamedTuple):
         the first, the positive).
       k: documents per query.
       guide: ``"absolute"`` or ``"relative"`` margins on the guide's scores, or None.
+      hardness: which negatives get ``alpha * sg(score)`` added to their logits
+        (sentence-transformers' ``hardness_mode``): ``"hard_negatives"`` (the row's own
+        hard negatives), ``"in_batch_negatives"`` (the other rows' documents) or
+        ``"all_negatives"`` (every document but the positive); or None.
     """
 
     exclude: str | None = None
@@ -54,6 +58,7 @@ class Rule(NamedTuple):
     docs: bool = False
     k: int = 1
     guide: str | None = None
+    hardness: str | None = None
 
     def keep(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
         """``[rows, cols]``: the pairs kept, from the rows' and columns' metadata.
@@ -71,6 +76,17 @@ class Rule(NamedTuple):
                      "negatives": lambda: gj % self.k == 0}[self.exclude]()  # fmt: skip
             keep = other if keep is None else keep & other
         return None if keep is None else jax.lax.optimization_barrier(keep)
+
+    def boost(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> tuple | None:
+        """``([rows, cols] pairs, alpha)``: the pairs whose logits gain ``alpha * score``
+        (before any pair is dropped), or None. Arguments as for :meth:`keep`."""
+        if self.hardness is None:
+            return None
+        gi, gj = (rm["offset"] + rows)[:, None], (cm["offset"] + cols)[None, :]
+        own, positive = gj // self.k == gi, gj == gi * self.k
+        pairs = {"hard_negatives": own & ~positive, "in_batch_negatives": ~own,
+                 "all_negatives": ~positive}[self.hardness]  # fmt: skip
+        return pairs, rm["alpha"]
 
     def _dropped(self, rm: dict, cm: dict, gj: jax.Array) -> jax.Array | None:
         """The false negatives: pairs the ids or the guide drop (or None)."""

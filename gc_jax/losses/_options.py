@@ -23,6 +23,7 @@ from gc_jax.losses._tiles import Firsts, Repeated
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
 MARGIN_STRATEGIES = ("absolute", "relative")
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 
 
 class Options(NamedTuple):
@@ -35,6 +36,8 @@ class Options(NamedTuple):
     guide: tuple[jax.Array, jax.Array] | None = None
     margin_strategy: str = "absolute"
     margin: Any = 0.0
+    hardness_mode: str | None = None
+    hardness_strength: Any = 0.0
 
     def map_arrays(self, f) -> Options:
         """These options with ``f`` applied to every per-row array (ids, the guide's)."""
@@ -47,7 +50,8 @@ class Options(NamedTuple):
     def plain(self) -> bool:
         """Whether this is plain InfoNCE (the original forms, unchanged)."""
         none = self.query_ids is None and self.doc_ids is None and self.guide is None
-        return none and self.directions == ("query_to_doc",)
+        plain = none and self.hardness_mode is None
+        return plain and self.directions == ("query_to_doc",)
 
 
 def check_directions(directions: Any, partition_mode: Any) -> tuple[str, ...]:
@@ -146,13 +150,32 @@ def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
     return jax.lax.stop_gradient(jnp.asarray(margin, float))  # float64 under x64
 
 
+def check_hardness(mode: Any, strength: Any) -> Any:
+    """The hardness strength (a scalar, no gradient); raises on a mode it does not know."""
+    if mode is not None and mode not in HARDNESS_MODES:
+        raise ValueError(f"hardness_mode must be None or one of {HARDNESS_MODES}, got {mode!r}.")
+    if isinstance(strength, bool) or np.ndim(strength) != 0:
+        raise TypeError(f"hardness_strength must be a real scalar, got {strength!r}.")
+    if not isinstance(strength, jax.Array):
+        if not np.isreal(strength) or strength < 0:
+            raise ValueError(f"hardness_strength must be >= 0, got {strength!r}.")
+        if mode is None and strength != 0:
+            raise ValueError(
+                f"hardness_strength={strength!r} weights the negatives hardness_mode names: "
+                f"pass hardness_mode= too, one of {HARDNESS_MODES}."
+            )
+    return jax.lax.stop_gradient(jnp.asarray(strength, float))
+
+
 def spec(options: Options, k: int) -> Spec:
     """The families of logits for ``options``: one per direction, ``query_to_doc`` first."""
     joint = options.partition_mode == "joint"
     guide = None if options.guide is None else options.margin_strategy
     rule = lambda **kw: Rule(k=k, guide=guide, **kw)
     make = {
-        "query_to_doc": Family("x", "y", rule(protect="first", docs=True), 0, "first"),
+        "query_to_doc": Family(
+            "x", "y", rule(protect="first", docs=True, hardness=options.hardness_mode), 0, "first"
+        ),
         "query_to_query": Family("x", "x", rule(exclude="self")),
         "doc_to_query": Family(
             "p", "x", rule(protect="self"), 0 if joint else 1, None if joint else "self"
@@ -203,6 +226,8 @@ def metadata(
         row["pid"] = Firsts(pid, k)
     if qid is not None:
         row["qid"] = qid
+    if options.hardness_mode is not None:
+        row["alpha"] = options.hardness_strength
     rows = {"x": dict(row), "p": dict(row)}
     if guide is not None:
         row |= {"t": thresholds(guide, k), "margin": options.margin}

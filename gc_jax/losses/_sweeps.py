@@ -45,8 +45,11 @@ class Sweeps:
     def tile_grad(self, row, qs, yk, ks, own, cm):
         """A tile's raw scores and ``dz``: a block of queries against keys from ``ks``."""
         xq, tq, sq, gq, rm = row
-        keep = None if self.rule is None else self.rule.keep(rm, cm, *self.positions(qs, ks))
-        raw, z, valid, pos = tile(xq, yk, tq, ks, own, self.scale, self.bias, keep)
+        keep = boost = None
+        if self.rule is not None:
+            keep = self.rule.keep(rm, cm, *self.positions(qs, ks))
+            boost = self.rule.boost(rm, cm, *self.positions(qs, ks))
+        raw, z, valid, pos = tile(xq, yk, tq, ks, own, self.scale, self.bias, keep, boost)
         return raw, gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
 
     def positions(self, qs, ks):

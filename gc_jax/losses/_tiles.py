@@ -203,22 +203,29 @@ def tile(
     scale: Scalar,
     bias: Scalar,
     keep: jax.Array | None = None,
+    boost: tuple[jax.Array, Scalar] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One tile: raw scores ``xq @ yk.T`` (in ``scale``'s dtype), logits, valid, targets.
 
     ``yk`` holds rows ``start ...`` of ``ys``; columns before ``own`` belong to the
     previous block and are masked out (``valid`` false, never a target). ``keep``
     (``[rows, cols]``, from a mask rule) drops more pairs; it never drops a target.
-    ``targets`` None: no column is any row's target.
+    ``targets`` None: no column is any row's target. ``boost``: ``(pairs, alpha)``
+    (``Rule.boost``), pairs whose logits gain ``alpha * raw``, a bias that is not
+    differentiated (``dz`` reaches ``raw`` through ``scale`` alone).
     """
     raw = jnp.matmul(xq, yk.T, preferred_element_type=scale.dtype)
+    z = scale * raw + bias
+    if boost is not None:
+        pairs, alpha = boost
+        z = z + jnp.where(pairs, alpha * jax.lax.stop_gradient(raw), 0)
     cols = start + jnp.arange(yk.shape[0])
     valid = (cols >= own)[None, :]
     if keep is not None:
         valid = valid & keep
     no_target = targets is None
     pos = jnp.zeros_like(valid) if no_target else valid & (cols[None, :] == targets[:, None])
-    return raw, scale * raw + bias, valid, pos
+    return raw, z, valid, pos
 
 
 def own_rows(start: jax.Array, size: int, own: jax.Array) -> jax.Array:
