@@ -20,8 +20,8 @@ from gc_jax._flax import nnx_encoder
 from gc_jax._grad_cache import GradCache
 from gc_jax._keras import keras_encoder
 from gc_jax._loss_scale import DynamicLossScale
-from gc_jax._token_budget import TokenBudget
-from gc_jax._token_packing import TokenPacking
+from gc_jax._chunks.budget import TokenBudget
+from gc_jax._chunks.packing import TokenPacking
 from gc_jax._train_step import make_train_step
 
 __version__ = "0.1.0"

@@ -1,10 +1,10 @@
 """The chunk plan: how one input's batch is cut into chunks, one protocol for every kind.
 
 Three kinds of plan implement :class:`Plan`: chunks of rows
-(``gc_jax._chunking.ChunkPlan``, from an int ``chunk_size``), chunks cut by a token
-budget (``gc_jax._token_chunks.TokenPlan``, from a :class:`gc_jax.TokenBudget`) and
-rows packed into lines (``gc_jax._packed_chunks.PackPlan``, from a
-:class:`gc_jax.TokenPacking`). This
+(``gc_jax._chunks.rows.ChunkPlan``, from an int ``chunk_size``), chunks cut by a
+token budget (``gc_jax._chunks.budget.TokenPlan``, from a :class:`gc_jax.TokenBudget`)
+and rows packed into lines (``gc_jax._chunks.packing.PackPlan``, from a
+:class:`gc_jax.TokenPacking`): one module per kind, in ``gc_jax._chunks``. This
 module is the one place that tells the kinds apart: it checks ``chunk_size``
 (:func:`check`), says whether the data decides the number of chunks
 (:func:`by_tokens`), and :func:`make` plans a batch: its layout across devices, its
@@ -19,10 +19,11 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from gc_jax import _chunking, _keys, _layout, _packed_chunks, _token_chunks, _validation
+from gc_jax import _keys, _layout, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._token_budget import TokenBudget
-from gc_jax._token_packing import TokenPacking
+from gc_jax._chunks import budget, packing, rows
+from gc_jax._chunks.budget import TokenBudget
+from gc_jax._chunks.packing import TokenPacking
 
 ChunkSize = int | TokenBudget | TokenPacking
 """What ``chunk_size`` takes: rows per chunk, a token budget, or a token packing."""
@@ -149,16 +150,16 @@ def make(
     ``one_device``: plan the batch as one device would see it, whatever its sharding
     (the reference of ``gc_jax.testing``).
     """
-    rows = _validation.leading_size(batch, name)
+    size = _validation.leading_size(batch, name)
     layout = _layout.SINGLE
     if not one_device:
         batch, layout = _layout.layout_of(batch, axis_name, batch_axis, name)
     if isinstance(chunk_size, TokenPacking):
-        plan = _packed_chunks.make_plan(batch, chunk_size, name, layout)
+        plan = packing.make_plan(batch, chunk_size, name, layout)
     elif by_tokens(chunk_size):
-        plan = _token_chunks.make_plan(batch, chunk_size, name, layout)
+        plan = budget.make_plan(batch, chunk_size, name, layout)
     else:
-        plan = _chunking.make_plan(rows, chunk_size, layout)
+        plan = rows.make_plan(size, chunk_size, layout)
     if axis_name is not None:
         rng = _keys.device_key(rng, jax.lax.axis_index(axis_name))
     return Planned(batch, plan, rng if index is None else _keys.input_key(rng, index))

@@ -40,9 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gc_jax._packed_chunks import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
-
-MASK = "attention_mask"
+from gc_jax._chunks.packing import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
+from gc_jax._chunks.token_rows import MASK
 
 
 def is_packed(chunk: Any) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 
 from gc_jax import _plan, _validation, packing
 from gc_jax._base import PyTree
-from gc_jax._packed_chunks import SEGMENT_STARTS
+from gc_jax._chunks.packing import SEGMENT_STARTS
 from gc_jax._plan import ChunkSize
 
 

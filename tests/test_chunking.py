@@ -1,4 +1,4 @@
-"""Chunk reads (gc_jax._chunking): narrow leaves read as whole 128-element lines.
+"""Chunk reads (gc_jax._chunks.rows): narrow leaves read as whole 128-element lines.
 
 ``pack`` views a leaf whose rows hold fewer than 128 elements (token ids and masks of
 32 tokens) as ``[rows // per_line, 128]``, so the TPU compiler copies it unpadded;
@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec as P
 from reference import full_batch_value_and_grad
 
 import gc_jax
-from gc_jax import _chunking
+from gc_jax._chunks import rows as row_chunks
 
 
 def leaves_of(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _chunking.Lines))
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, row_chunks.Lines))
 
 
 @pytest.mark.parametrize(
@@ -38,9 +38,9 @@ def leaves_of(tree):
 )
 def test_packed_chunks_read_the_same_rows(shape, dtype, chunk, packed):
     x = jnp.arange(np.prod(shape)).reshape(shape).astype(dtype)
-    plan = _chunking.make_plan(shape[0], chunk)
+    plan = row_chunks.make_plan(shape[0], chunk)
     view = plan.pack({"x": x}, (False,))
-    assert isinstance(view["x"], _chunking.Lines) is packed
+    assert isinstance(view["x"], row_chunks.Lines) is packed
     take = jax.jit(lambda v, c: plan.take(v, c)["x"])
     for c in range(plan.num_body):
         np.testing.assert_array_equal(take(view, c), x[c * chunk : (c + 1) * chunk])
@@ -49,9 +49,9 @@ def test_packed_chunks_read_the_same_rows(shape, dtype, chunk, packed):
 
 
 def test_a_differentiated_leaf_is_not_packed():
-    plan = _chunking.make_plan(64, 8)
+    plan = row_chunks.make_plan(64, 8)
     view = plan.pack((jnp.ones((64, 32)), jnp.ones((64, 32))), (True, False))
-    assert [isinstance(v, _chunking.Lines) for v in leaves_of(view)] == [False, True]
+    assert [isinstance(v, row_chunks.Lines) for v in leaves_of(view)] == [False, True]
 
 
 VOCAB, WIDTH = 50, 16
@@ -119,4 +119,4 @@ def test_packed_token_ids_under_sharded_jit_match_full_batch(axis_type):
         layout = gc_jax._layout.layout_of(q, None, batch_axis)[1]
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
     assert layout.shards == 8
-    assert _chunking._packable(q["ids"], _chunking.make_plan(64, 4, layout))
+    assert row_chunks._packable(q["ids"], row_chunks.make_plan(64, 4, layout))

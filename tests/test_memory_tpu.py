@@ -59,7 +59,7 @@ def test_bf16_batch_memory_per_row_on_a_v5e_chip(small, large):
     """Per row: at most 1.15 x the floor (both inputs' ids, three bfloat16 rows).
 
     The floor is ``tests.test_memory.FLOOR``, the same as on XLA:CPU. Before the
-    ids were read as whole lines (``gc_jax._chunking.ChunkPlan.pack``) the TPU compiler copied
+    ids were read as whole lines (``gc_jax._chunks.rows.ChunkPlan.pack``) the TPU compiler copied
     them into a buffer padded to 128 lanes: 2.2 x the floor; one more batch-sized
     bfloat16 buffer would be 1.31 x. Measured (both colours): 948 bytes per row (1.14 x)
     with libtpu 0.0.42 (JAX 0.10.2) and 0.0.50 (JAX 0.12).

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from gc_jax import _token_chunks, _token_spans
+from gc_jax._chunks import budget as token_budget
+from gc_jax._chunks import spans as bucket_spans
 from gc_jax.losses import contrastive_loss
 
 VOCAB, WIDTH, PADDED = 11, 8, 16
@@ -354,14 +355,14 @@ def test_spans_encode_the_fewest_tokens():
     of rounding down or up: as few tokens; the spans tile the sorted rows, every row
     fits its bucket, and a bucket's chunks hold its span."""
     rng = np.random.default_rng(0)
-    spans = jax.jit(_token_spans.spans, static_argnums=(1, 2, 3))
+    spans = jax.jit(bucket_spans.spans, static_argnums=(1, 2, 3))
     for case in range(300):
         lengths = tuple(int(n) for n in np.sort(rng.choice(np.arange(1, 65), rng.integers(1, 6),
                                                            replace=False)))  # fmt: skip
         n_rows, tokens = int(rng.integers(1, 50)), int(rng.integers(lengths[-1], 300))
         rows = tuple(min(tokens // n, n_rows) for n in lengths)
-        bucket = _token_spans.bucket_of(rng.integers(1, lengths[-1] + 1, (3, n_rows)), lengths, np)
-        starts, ends, chunks = _token_spans.spans(bucket, rows, lengths, np)
+        bucket = bucket_spans.bucket_of(rng.integers(1, lengths[-1] + 1, (3, n_rows)), lengths, np)
+        starts, ends, chunks = bucket_spans.spans(bucket, rows, lengths, np)
         if case < 12:
             traced = spans(jnp.asarray(bucket), rows, lengths, jnp)
             chex.assert_trees_all_equal(
@@ -383,14 +384,13 @@ def test_spans_encode_the_fewest_tokens():
 def test_the_compiled_plan_does_not_grow_with_the_buckets():
     """The dynamic program's loops over the buckets are rolled under JAX: one loop
     body whatever their number (compile time stays flat), and the same plan as NumPy."""
-    from gc_jax import _token_spans
 
     def plan_ops(buckets):
         rows = tuple(64 // n for n in buckets)
-        f = lambda b: _token_spans.spans(b, rows, buckets, jnp)
+        f = lambda b: bucket_spans.spans(b, rows, buckets, jnp)
         bucket = np.random.default_rng(0).integers(0, len(buckets), (2, 40))
         got = jax.jit(f)(jnp.asarray(bucket))
-        for g, want in zip(got, _token_spans.spans(bucket, rows, buckets, np), strict=True):
+        for g, want in zip(got, bucket_spans.spans(bucket, rows, buckets, np), strict=True):
             np.testing.assert_array_equal(g, want)
         return jax.jit(f).lower(jnp.asarray(bucket)).as_text().count("\n")
 
@@ -400,10 +400,9 @@ def test_the_compiled_plan_does_not_grow_with_the_buckets():
 def test_chunk_counts_are_the_plan_the_step_makes():
     """``TokenBudget.chunk_counts`` (NumPy) gives the traced plan's chunks per shape, for
     one device and per device (the most any device needs)."""
-    from gc_jax import _token_chunks
 
     def planned(batch):  # the traced plan of one device's rows
-        plan = _token_chunks.make_plan(batch, budget, "batch")
+        plan = token_budget.make_plan(batch, budget, "batch")
         shapes = zip(plan.rows, plan.lengths, strict=True)
         return dict(zip(shapes, map(int, plan.trips), strict=True))
 
@@ -417,7 +416,9 @@ def test_chunk_counts_are_the_plan_the_step_makes():
         per_device = [planned(b) for b in shards]
         want = {shape: max(p[shape] for p in per_device) for shape in per_device[0]}
         assert budget.chunk_counts(lengths.reshape(4, 6), PADDED) == want, kind
-    with pytest.raises(ValueError, match=r"chunk_counts lengths has lengths from 0 to 17, outside"):
+    with pytest.raises(
+        ValueError, match=r"TokenBudget\.chunk_counts\(lengths=\.\.\.\) has lengths from 0 to 17"
+    ):
         budget.chunk_counts([0, 17], PADDED)
     with pytest.raises(ValueError, match="must be integer row lengths"):
         budget.chunk_counts([1.5], PADDED)
@@ -429,7 +430,7 @@ def test_a_shorter_bucket_pads_its_last_chunk_when_that_is_cheaper():
     params, encoders = make_params(), towers(False)
     q = batch_of_lengths([2] * 11 + [16] * 9, 41)
     d = text_batch(20, "lognormal", 42)
-    plan = _token_chunks.make_plan(q, BUDGET, "q")
+    plan = token_budget.make_plan(q, BUDGET, "q")
     assert np.asarray(plan.trips).tolist() == [1, 0, 3]
     grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, BUDGET))
     chex.assert_trees_all_close(
@@ -500,10 +501,14 @@ def test_for_lengths_adds_only_buckets_that_save():
         ({"sample": np.ones((2, 3), np.float32)}, ValueError, "integer row lengths.*float32"),
         ({"sample": np.ones((2, 3, 4), int)}, ValueError, r"shape \(2, 3, 4\)"),
         ({"sample": np.array([3, 70])}, ValueError, r"from 3 to 70, outside \[0, padded_length=64"),
-        ({"padded_length": "64"}, TypeError, "padded_length must be a positive int"),
-        ({"max_buckets": 0}, TypeError, "max_buckets must be a positive int"),
-        ({"multiple": 0}, TypeError, "multiple must be a positive int"),
-        ({"min_saving": 1.0}, ValueError, r"min_saving must be a share in \[0, 1\)"),
+        (
+            {"padded_length": "64"},
+            TypeError,
+            r"for_lengths\(padded_length=\.\.\.\) must be a positive int",
+        ),
+        ({"max_buckets": 0}, TypeError, r"\(max_buckets=\.\.\.\) must be a positive int"),
+        ({"multiple": 0}, TypeError, r"\(multiple=\.\.\.\) must be a positive int"),
+        ({"min_saving": 1.0}, ValueError, r"\(min_saving=\.\.\.\) must be a share in \[0, 1\)"),
         ({"tokens": 32}, ValueError, r"tokens=32\) is smaller than one row.*at least 64"),
     ],
 )
@@ -542,7 +547,11 @@ def test_missing_mask_names_the_keys():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"tokens": 0, "buckets": (4,)}, TypeError, "tokens must be a positive int"),
+        (
+            {"tokens": 0, "buckets": (4,)},
+            TypeError,
+            r"TokenBudget\(tokens=\.\.\.\) must be a positive int",
+        ),
         ({"tokens": 64, "buckets": ()}, TypeError, "non-empty tuple"),
         ({"tokens": 64, "buckets": (8, 4)}, ValueError, r"increase strictly.*\(4, 8\)"),
         ({"tokens": 64, "buckets": (4,), "lengths": 3}, TypeError, "key of the attention mask"),

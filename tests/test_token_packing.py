@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from gc_jax import _packed_chunks, _plan, _token_packing, packing
+from gc_jax import _plan, packing
+from gc_jax._chunks import packing as token_packing
 from gc_jax.losses import contrastive_loss
 
 VOCAB, WIDTH, PADDED, LANGS = 11, 8, 16, 3
@@ -148,7 +149,7 @@ def test_empty_rows_take_a_line_of_their_own():
     empty = lengths_of(q) == 0
     np.testing.assert_array_equal(reps[empty], 0.0)
     chex.assert_trees_all_close(reps[~empty], encoders[0](params, q, None)[~empty], **TOL)
-    lines = _token_packing.pack_lines(lengths_of(q), PADDED, PACKING.segments)
+    lines = token_packing.pack_lines(lengths_of(q), PADDED, PACKING.segments)
     assert sum(len(line) == 1 for line in lines) >= empty.sum()  # each alone in a line
 
 
@@ -178,7 +179,7 @@ def test_packs_rows_into_few_chunks():
     counts = PACKING.chunk_counts(lengths_of(q), PADDED)
     (((lines, tokens), chunks),) = counts.items()
     assert (lines, tokens) == (4, PADDED) and chunks == 2  # 32 rows, 4 per line, 4 lines
-    plan = _packed_chunks.make_plan(q, PACKING, "q")
+    plan = token_packing.make_plan(q, PACKING, "q")
     assert int(plan.trips) == chunks
     counts_long = PACKING.chunk_counts(lengths_of(text_batch(32, "long", 4)), PADDED)
     assert counts_long == {(4, PADDED): 8}  # one row per line: as many lines as rows
@@ -188,12 +189,12 @@ def test_the_traced_packing_is_the_numpy_one():
     """The packing under jit (one ``lax.scan``) and the NumPy one agree, line by line;
     every row is placed once, and no line is over-full."""
     rng = np.random.default_rng(0)
-    place = jax.jit(_packed_chunks._place, static_argnums=(1, 2))
+    place = jax.jit(token_packing._place, static_argnums=(1, 2))
     for _ in range(30):
         n, length = int(rng.integers(1, 40)), int(rng.integers(4, 33))
         segments = int(rng.integers(2, 6))
         lengths = rng.integers(0, length + 1, n)
-        lines = _token_packing.pack_lines(lengths, length, segments)
+        lines = token_packing.pack_lines(lengths, length, segments)
         sizes = np.sort(np.where(lengths > 0, lengths, length))[::-1].astype(np.int32)
         placed, first = (np.asarray(a) for a in place(jnp.asarray(sizes), length, segments))
         ends = [*first[1 : len(lines)], n]
@@ -207,7 +208,7 @@ def test_the_chunk_holds_each_row_once():
     """Every row's tokens appear once, in order, under their segment id, with positions
     counted from the row's start; per-row leaves go to their slot."""
     q = text_batch(12, "uniform", 5, lang=True)
-    plan = _packed_chunks.make_plan(q, PACKING, "q")
+    plan = token_packing.make_plan(q, PACKING, "q")
     seen = {}
     for c in range(int(plan.trips)):
         chunk = plan.take(q, jnp.int32(c))
@@ -419,10 +420,22 @@ def test_differentiating_the_batch_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"tokens": 0, "segments": 4}, TypeError, "tokens must be a positive int"),
+        (
+            {"tokens": 0, "segments": 4},
+            TypeError,
+            r"TokenPacking\(tokens=\.\.\.\) must be a positive int",
+        ),
         ({"tokens": 64, "segments": 1}, ValueError, "at least 2"),
-        ({"tokens": 64, "segments": 2.0}, TypeError, "segments must be a positive int"),
-        ({"tokens": 64, "segments": 4, "lengths": 3}, TypeError, "lengths must be"),
+        (
+            {"tokens": 64, "segments": 2.0},
+            TypeError,
+            r"TokenPacking\(segments=\.\.\.\) must be a positive int",
+        ),
+        (
+            {"tokens": 64, "segments": 4, "lengths": 3},
+            TypeError,
+            r"TokenPacking\(lengths=\.\.\.\) must be",
+        ),
     ],
 )
 def test_bad_packing(kwargs, error, match):
@@ -516,12 +529,12 @@ def test_for_lengths_picks_segments_that_never_limit_a_line():
     sample = np.clip(np.round(rng.lognormal(np.log(3), 0.8, (4, 64))), 1, PADDED).astype(int)
     packing_ = gc_jax.TokenPacking.for_lengths(sample, 64, PADDED)
     assert packing_.segments == max(
-        len(line) for row in sample for line in _token_packing.pack_lines(row, PADDED, PADDED)
+        len(line) for row in sample for line in token_packing.pack_lines(row, PADDED, PADDED)
     )
     for row in sample:  # the lines of a packing without a limit
-        lines = _token_packing.pack_lines(row, PADDED, PADDED)
-        assert _token_packing.pack_lines(row, PADDED, packing_.segments) == lines
-    with pytest.raises(ValueError, match="for_lengths sample has lengths"):
+        lines = token_packing.pack_lines(row, PADDED, PADDED)
+        assert token_packing.pack_lines(row, PADDED, packing_.segments) == lines
+    with pytest.raises(ValueError, match=r"TokenPacking\.for_lengths\(sample=\.\.\.\) has lengths"):
         gc_jax.TokenPacking.for_lengths([[PADDED + 1]], 64, PADDED)
     with pytest.raises(ValueError, match="smaller than one line"):
         gc_jax.TokenPacking.for_lengths(sample, 8, PADDED)

@@ -1,29 +1,195 @@
-"""Chunks cut by a :class:`gc_jax.TokenPacking`: rows packed into lines of one shape.
+"""``TokenPacking``: ``chunk_size`` counted in tokens, rows packed into lines of one shape.
+
+The config (:class:`TokenPacking`: its checks, the chunk shape it compiles and the
+chunks a batch needs, with NumPy), its plan (:class:`PackPlan`) and :func:`make_plan`;
+the encoder's side of it is :mod:`gc_jax.packing`.
 
 Under ``jax.jit`` the lengths are traced data. Each shard's rows are sorted longest
 first (a stable ``argsort``) and placed by one ``lax.scan`` over them: a line takes
 the longest row left, then the shortest rows left while they fit and it holds fewer
-than ``segments`` rows. A line's rows are consecutive in the order of placement, so
-a plan is a few ``[rows]`` arrays: that order, the lengths in it, their running sum
-and where each line starts. Chunk
-``c`` holds lines ``c * lines .. (c + 1) * lines - 1``; their token gather is computed
-when the chunk is taken. The number of chunks is traced, so the passes run one loop
-with a traced trip count (as for a ``TokenBudget``). The cache stays in the batch's
-order; an output row per *slot* (a line's ``k``-th row) is written to its row.
+than ``segments`` rows (:func:`pack_lines` does the same with NumPy). A line's rows
+are consecutive in the order of placement, so a plan is a few ``[rows]`` arrays: that
+order, the lengths in it, their running sum and where each line starts. Chunk ``c``
+holds lines ``c * lines .. (c + 1) * lines - 1``; their token gather is computed when
+the chunk is taken. The number of chunks is traced, so the passes run one loop with a
+traced trip count (as for a ``TokenBudget``). The cache stays in the batch's order;
+an output row per *slot* (a line's ``k``-th row) is written to its row.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from gc_jax import _keys, _layout, _token_chunks
+from gc_jax import _keys, _layout
 from gc_jax._base import PyTree
-from gc_jax._token_packing import TokenPacking
+from gc_jax._chunks import token_rows
+from gc_jax._chunks.token_rows import MASK
 
 SEGMENT_IDS, POSITION_IDS, SEGMENT_STARTS = "segment_ids", "position_ids", "segment_starts"
+"""The keys a packed chunk adds for the encoder (:mod:`gc_jax.packing` reads them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenPacking:
+    """Chunks of ``tokens`` tokens, each row's tokens packed next to other rows'.
+
+    Pass it as ``chunk_size`` (to ``cached_value_and_grad``, ``make_train_step``,
+    ``chunked_encoder`` or ``GradCache``) for an input that is a dict batch of padded
+    token sequences, encoded by an encoder that reads the packing keys (below).
+
+    Every chunk is ``tokens // L`` *lines* of ``L`` tokens, ``L`` the batch's padded
+    length: one chunk shape, so the step compiles the encoder once (as with an int
+    ``chunk_size``), yet encodes almost no padding. Rows are sorted by length
+    (longest first) and packed next-fit: a line takes rows until the next does not fit
+    or it holds ``segments`` rows. A row is never split, and never cut: its tokens are
+    those before one past its mask's last nonzero position. A row without tokens takes
+    a line of its own, ``L`` tokens, as the batch holds it unpacked (its tokens attend
+    to no key, so e.g. its first token's output depends on all ``L`` of them).
+
+    What the encoder receives: every ``[rows, L, ...]`` leaf packed to
+    ``[lines, L, ...]`` (zero where no row lies), every other leaf taken per *slot*
+    (``[lines * segments, ...]``), and three more keys:
+
+    * ``"segment_ids"``, ``int32[lines, L]``: ``k + 1`` on the tokens of the line's
+      ``k``-th row, 0 on padding. A token must attend only to its own row's tokens;
+    * ``"position_ids"``, ``int32[lines, L]``: each token's position in its row (kept
+      from the batch where it has a ``"position_ids"`` leaf);
+    * ``"segment_starts"``, ``int32[lines, segments]``: where each slot's row starts
+      (0 for an empty slot).
+
+    It must return one output row per slot, ``[lines * segments, ...]`` (slot ``k`` of
+    line ``r`` at ``r * segments + k``), and the ordinary ``[rows, ...]`` for a batch
+    without these keys. Empty slots (a line with fewer rows) are not written and get
+    a zero gradient, but must not be zero vectors where the output is normalised (the
+    gradient of a norm at zero is NaN): the helpers pool them as the line's first
+    row, and a chunk's lines past the data repeat a real line. :mod:`gc_jax.packing` does both
+    (``attention_mask``, ``mean_pool``, ``first_token``); ``gc_jax.testing``
+    checks an encoder against the unpacked batch.
+
+    Attributes:
+      tokens: lines x padded length of every chunk (per device under ``shard_map`` or
+        a sharded ``jit``, like ``chunk_size``); at least the padded length.
+      segments: the most rows a line holds (at least 2): the encoder's output has
+        ``segments`` slots per line. About ``L`` over the median row length packs
+        lines full; more slots cost output rows, not tokens.
+      lengths: where each row's length comes from, as ``TokenBudget``: the key of the
+        attention mask (default), or ``lengths(batch) -> int[rows]``.
+
+    Examples:
+      >>> import gc_jax
+      >>> packing = gc_jax.TokenPacking(tokens=512, segments=4)
+      >>> packing.chunk_shape(padded_length=128, rows=256)  # (lines, tokens)
+      (4, 128)
+      >>> lengths = [100, 20, 30, 128, 60, 40, 8, 70, 90, 120]
+      >>> packing.chunk_counts(lengths, padded_length=128)  # 10 rows in 6 lines
+      {(4, 128): 2}
+    """
+
+    tokens: int
+    segments: int
+    lengths: str | Callable[[PyTree], jax.Array] = MASK
+
+    def __post_init__(self):
+        kind = type(self).__name__
+        for name in ("tokens", "segments"):
+            token_rows.positive_int(getattr(self, name), f"{kind}({name}=...)")
+        if self.segments < 2:
+            raise ValueError(
+                f"{kind}(segments=...) must be at least 2 (rows per line), got "
+                f"{self.segments}; one row per line is not packing: use an int chunk_size "
+                "or a gc_jax.TokenBudget."
+            )
+        token_rows.check_lengths_source(self.lengths, kind)
+        object.__setattr__(self, "tokens", int(self.tokens))
+        object.__setattr__(self, "segments", int(self.segments))
+
+    @classmethod
+    def for_lengths(
+        cls, sample: Any, tokens: int, padded_length: int, *, lengths: Any = MASK
+    ) -> TokenPacking:
+        """A packing whose ``segments`` never limits the lines of batches like ``sample``.
+
+        ``segments`` is the most rows any line holds when the sample's batches are
+        packed without a limit (at least 2): with it, they are packed into the same
+        lines as without one; fewer may need more lines, more only adds empty output
+        slots (each slot is one output row).
+
+        Args:
+          sample: row lengths (padding excluded), ``[rows]`` for one batch or
+            ``[batches, rows]``, each row a batch as the step sees it (per device under
+            ``shard_map`` or a sharded ``jit``): e.g. ``mask.sum(-1)`` of a few batches.
+          tokens: as ``TokenPacking``.
+          padded_length: the batches' padded length (the line length).
+          lengths: as ``TokenPacking``.
+
+        Examples:
+          >>> import numpy as np, gc_jax
+          >>> lengths = np.random.default_rng(0).lognormal(np.log(40), 0.8, (8, 256))
+          >>> sample = np.clip(lengths.astype(int), 1, 256)  # 8 batches of 256 rows
+          >>> gc_jax.TokenPacking.for_lengths(sample, 4096, padded_length=256).segments
+          9
+        """
+        method = f"{cls.__name__}.for_lengths"
+        array = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
+        cls(tokens, 2, lengths).chunk_shape(padded_length, array.shape[1])  # checks
+        most = max(len(line) for row in array for line in pack_lines(row, padded_length,
+                                                                      padded_length))  # fmt: skip
+        return cls(tokens, max(most, 2), lengths)
+
+    def chunk_shape(self, padded_length: int, rows: int) -> tuple[int, int]:
+        """``(lines, tokens)`` of every chunk: the one shape compiled.
+
+        Args:
+          padded_length: the batch's padded length (axis 1 of its token arrays).
+          rows: the batch's rows (per device where ``tokens`` is per device).
+        """
+        if self.tokens < padded_length:
+            raise ValueError(
+                f"{type(self).__name__}(tokens={self.tokens}) is smaller than one line of the "
+                f"batch's padded length ({padded_length} tokens); pass tokens of at least "
+                f"{padded_length}, e.g. tokens={padded_length * 16} for chunks of 16 lines."
+            )
+        return min(self.tokens // padded_length, rows), padded_length
+
+    def chunk_counts(self, lengths: Any, padded_length: int) -> dict[tuple[int, int], int]:
+        """``{(lines, tokens): chunks}``: the chunks the step encodes, computed with NumPy.
+
+        Args:
+          lengths: each row's length (one past the mask's last nonzero position),
+            ``[rows]``; or ``[devices, rows]`` (every device runs the most chunks any
+            device needs).
+          padded_length: the batch's padded length.
+        """
+        method = f"{type(self).__name__}.chunk_counts"
+        array = token_rows.checked_lengths(lengths, padded_length, method, "lengths", "devices")
+        shape = self.chunk_shape(padded_length, array.shape[1])
+        lines = max(len(pack_lines(row, padded_length, self.segments)) for row in array)
+        return {shape: -(-lines // shape[0])}
+
+
+def pack_lines(lengths: Any, line_length: int, segments: int) -> list[list[int]]:
+    """The lines of one device's rows, with NumPy: each line's rows, as positions in the
+    rows sorted longest first (a row of length 0 takes a line of its own).
+
+    A line takes the longest row left, then the shortest rows left while they fit and
+    it has fewer than ``segments`` rows (the shortest left not fitting, none does).
+    """
+    ordered = np.asarray(lengths)
+    ordered = np.sort(np.where(ordered > 0, ordered, line_length), kind="stable")[::-1]
+    front, back, lines = 0, len(ordered) - 1, []
+    while front <= back:
+        lines.append([front])
+        used, front = int(ordered[front]), front + 1
+        while front <= back and len(lines[-1]) < segments and used + ordered[back] <= line_length:
+            lines[-1].append(back)
+            used, back = used + int(ordered[back]), back - 1
+    return lines
 
 
 class Lines(NamedTuple):
@@ -148,7 +314,7 @@ class PackPlan(NamedTuple):
 
         def one(x):
             if not self._trimmed(x):
-                return _token_chunks.take_rows(x, *self._slots(lines), shards)
+                return token_rows.take_rows(x, *self._slots(lines), shards)
             reshape = self.layout.reshape  # the shards stay split over the devices
             flat = reshape(x, (shards, n * self.padded, *x.shape[2:]))
             at = lines.source.reshape(shards, -1, *[1] * (x.ndim - 2))
@@ -168,14 +334,14 @@ class PackPlan(NamedTuple):
     def take_cotangent(self, tree: PyTree, index: Any) -> PyTree:
         """The chunk's slots of a representation gradient; zero on empty slots."""
         lines = self.where(index)
-        return _token_chunks.take_rows(tree, *self._slots(lines), self.num_shards)
+        return token_rows.take_rows(tree, *self._slots(lines), self.num_shards)
 
     def _slots(self, lines: Lines) -> tuple[jax.Array, jax.Array]:
         return (lines.rows.reshape(self.num_shards, -1), lines.valid.reshape(self.num_shards, -1))
 
     def put(self, buffer: PyTree, chunk: PyTree, index: Any) -> PyTree:
         """Writes the chunk's slots (not its empty ones) to their rows of ``buffer``."""
-        return _token_chunks.put_rows(buffer, chunk, *self._slots(self.where(index)), self)
+        return token_rows.put_rows(buffer, chunk, *self._slots(self.where(index)), self)
 
     def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
         return shapes[0]
@@ -206,7 +372,7 @@ class PackPlan(NamedTuple):
 
 def _place(sizes: jax.Array, line_length: int, segments: int) -> tuple[jax.Array, jax.Array]:
     """Lines of one shard's rows, ``sizes`` their lengths longest first (as
-    ``gc_jax._token_packing.pack_lines``, by one ``lax.scan`` over the rows).
+    :func:`pack_lines`, by one ``lax.scan`` over the rows).
 
     Returns:
       ``(placed, first)``: ``placed[i]``, the position in ``sizes`` of the ``i``-th
@@ -251,10 +417,10 @@ def make_plan(batch: PyTree, packing: TokenPacking, name: str,
         )
     num_shards = layout.array_shards
     batch_size = jax.tree.leaves(batch)[0].shape[0]
-    padded = _token_chunks.padded_length(batch, packing, name)
-    _token_chunks.warn_float_columns(batch, padded, name, packing)
+    padded = token_rows.padded_length(batch, packing, name)
+    token_rows.warn_float_columns(batch, padded, name, packing)
     lines, _ = packing.chunk_shape(padded, batch_size // num_shards)
-    length = _token_chunks.row_lengths(batch, packing, name).reshape(num_shards, -1)
+    length = token_rows.row_lengths(batch, packing, name).reshape(num_shards, -1)
     # A row without tokens takes a line of its own, as the unpacked batch encodes it: its
     # tokens attend to no key, so e.g. its first token's output depends on all L of them.
     length = jnp.where(length > 0, length, padded).astype(jnp.int32)

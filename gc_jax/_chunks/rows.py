@@ -1,4 +1,4 @@
-"""Cutting a batch pytree into chunks, and writing per-chunk results back in place.
+"""An int ``chunk_size``: a batch cut into chunks of rows, results written back in place.
 
 A batch of ``B`` rows is viewed as ``num_shards`` contiguous shards (``1`` unless the
 batch is sharded across devices under plain ``jax.jit``); each shard is cut into
@@ -18,8 +18,8 @@ an ``int32[B, 32]`` batch read chunk by chunk would be copied into a buffer 4x i
 size; viewed as ``[B / 4, 128]`` it is copied unpadded. On row-major backends (CPU,
 GPU) the view is free: the same bytes, read the same way.
 
-:class:`ChunkPlan` is one kind of ``gc_jax._plan.Plan``; the other,
-``gc_jax._token_chunks.TokenPlan``, cuts chunks by a token budget.
+:class:`ChunkPlan` is one kind of ``gc_jax._plan.Plan``; the others cut chunks by
+tokens (``gc_jax._chunks.budget.TokenPlan``, ``gc_jax._chunks.packing.PackPlan``).
 """
 
 from __future__ import annotations

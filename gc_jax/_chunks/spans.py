@@ -1,4 +1,4 @@
-"""Where each bucket's chunks lie in the sorted rows: the plan that encodes fewest tokens.
+"""The bucket planner: each bucket's span of the sorted rows, the plan of fewest tokens.
 
 Rows are sorted by bucket (the shortest bucket that holds them). Every chunk of
 bucket ``b`` holds ``rows[b]`` rows of ``lengths[b]`` tokens, whether its rows are
@@ -17,6 +17,10 @@ for :func:`propose_buckets`; under JAX its loops over the buckets are rolled
 (``fori_loop``), so the compiled plan does not grow with them (unrolled, it was 64
 fusions and 0.8 s of XLA:CPU compile for 5 buckets, per input; rolled, 0.4 s for any
 number).
+
+This module is the ``TokenBudget``'s planner (:mod:`gc_jax._chunks.budget`: its plan
+under ``jit``, its ``chunk_counts`` and ``for_lengths`` with NumPy); it knows rows,
+buckets and lengths, not the budget nor the batch.
 """
 
 from __future__ import annotations
@@ -177,38 +181,3 @@ def _refined(buckets: tuple[int, ...], candidates: list[int], cost) -> tuple[flo
         if not moved:
             break
     return current, buckets
-
-
-def checked_sample(sample: Any, padded_length: Any, max_buckets: Any, multiple: Any,
-                   min_saving: Any) -> np.ndarray:  # fmt: skip
-    """``sample`` as ``int[batches, rows]``; raises naming the argument that is wrong."""
-    for name, value in (("padded_length", padded_length), ("max_buckets", max_buckets),
-                        ("multiple", multiple)):  # fmt: skip
-        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
-            raise TypeError(
-                f"TokenBudget.for_lengths {name} must be a positive int, got {value!r}."
-            )
-    if not isinstance(min_saving, int | float) or not 0 <= min_saving < 1:
-        raise ValueError(
-            f"TokenBudget.for_lengths min_saving must be a share in [0, 1), got {min_saving!r}."
-        )
-    return checked_lengths(sample, padded_length, "TokenBudget.for_lengths sample", "batches")
-
-
-def checked_lengths(lengths: Any, padded_length: int, what: str, leading: str) -> np.ndarray:
-    """``lengths`` as ``int[leading, rows]`` within ``[0, padded_length]``, or raises
-    naming ``what`` (the method and its argument)."""
-    array = np.asarray(lengths)
-    array = array[None] if array.ndim == 1 else array
-    if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
-            f"{what} must be integer row lengths [rows] or [{leading}, rows], e.g. "
-            f"mask.sum(-1), got {array.dtype} of shape {np.shape(lengths)}."
-        )
-    if array.min() < 0 or array.max() > padded_length:
-        raise ValueError(
-            f"{what} has lengths from {array.min()} to {array.max()}, outside [0, "
-            f"padded_length={padded_length}]; pass each row's tokens (padding excluded) "
-            "and the batch's padded length."
-        )
-    return array

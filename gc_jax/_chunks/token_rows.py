@@ -1,0 +1,196 @@
+"""The rows of a padded token batch, as both token kinds read, check and move them.
+
+A :class:`gc_jax.TokenBudget` (:mod:`gc_jax._chunks.budget`) and a
+:class:`gc_jax.TokenPacking` (:mod:`gc_jax._chunks.packing`) both take each row's length
+from the batch (``lengths=``: the key of its attention mask, or a callable), check the
+same arguments, and gather and write rows by traced index. Every message names the
+class the user wrote (``type(config).__name__``), so a packing's error never speaks of
+a budget.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gc_jax import _narrow
+from gc_jax._base import PyTree
+
+MASK = "attention_mask"
+"""The default key of a dict batch's attention mask (``lengths=``, ``gc_jax.packing``)."""
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def positive_int(value: Any, where: str) -> int:
+    """``value`` as an int, or a TypeError saying ``where`` (e.g. ``"TokenPacking(tokens=...)"``)
+    takes a positive int."""
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
+        raise TypeError(f"{where} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def check_lengths_source(lengths: Any, kind: str) -> None:
+    """``lengths=`` of a ``kind`` (the class's name): a mask key or a callable."""
+    if not (isinstance(lengths, str) or callable(lengths)):
+        raise TypeError(
+            f"{kind}(lengths=...) must be the key of the attention mask in a dict batch "
+            f"(a str) or a callable lengths(batch) -> int[rows], got {lengths!r}."
+        )
+
+
+def checked_lengths(lengths: Any, padded_length: Any, method: str, argument: str,
+                    leading: str) -> np.ndarray:  # fmt: skip
+    """``lengths`` as ``int[leading, rows]`` within ``[0, padded_length]``, or raises
+    naming ``method`` (e.g. ``"TokenPacking.chunk_counts"``) and its ``argument``."""
+    padded_length = positive_int(padded_length, f"{method}(padded_length=...)")
+    what = f"{method}({argument}=...)"
+    array = np.asarray(lengths)
+    array = array[None] if array.ndim == 1 else array
+    if array.ndim != 2 or not array.size or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"{what} must be integer row lengths [rows] or [{leading}, rows], e.g. "
+            f"mask.sum(-1), got {array.dtype} of shape {np.shape(lengths)}."
+        )
+    if array.min() < 0 or array.max() > padded_length:
+        raise ValueError(
+            f"{what} has lengths from {array.min()} to {array.max()}, outside [0, "
+            f"padded_length={padded_length}]; pass each row's tokens (padding excluded) "
+            "and the batch's padded length."
+        )
+    return array
+
+
+# ------------------------------------------------------------------ lengths, in a trace
+
+
+def row_lengths(batch: PyTree, config: Any, name: str) -> jax.Array:
+    """Each row's length: one past its mask's last nonzero position, or ``config.lengths``
+    (``config``: a ``TokenBudget`` or ``TokenPacking``; ``name``: the batch's, in errors)."""
+    if callable(config.lengths):
+        lengths = jnp.asarray(config.lengths(batch))
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if lengths.shape != (rows,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(
+                f"{type(config).__name__}(lengths=...) returned {lengths.shape} "
+                f"{lengths.dtype} for {name}; it must return one integer length per row "
+                f"(shape ({rows},))."
+            )
+        if hasattr(batch, "keys") and MASK in batch and getattr(batch[MASK], "ndim", 0) == 2:
+            # Never trim what the mask says is a token: a lengths() that undercounts
+            # (left padding, holes) would silently change the encoder's outputs.
+            lengths = jnp.maximum(lengths, _mask_lengths(batch[MASK]))
+        return lengths
+    return _mask_lengths(_mask(batch, config, name))
+
+
+def _mask_lengths(mask: jax.Array) -> jax.Array:
+    """One past each row's last nonzero mask position."""
+    positions = jnp.arange(1, mask.shape[1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(mask != 0, positions, 0), axis=1)
+
+
+def _mask(batch: PyTree, config: Any, name: str) -> jax.Array:
+    """``batch[config.lengths]``, the attention mask, or raises naming the config."""
+    key, call = config.lengths, f"{type(config).__name__}(lengths={config.lengths!r})"
+    if not hasattr(batch, "keys") or key not in batch:
+        keys = sorted(map(str, batch.keys())) if hasattr(batch, "keys") else None
+        got = f"a dict with keys {keys}" if keys is not None else type(batch).__name__
+        raise ValueError(
+            f"{call} reads each row's length from {name}[{key!r}], but {name} is {got}; "
+            "pass lengths='<key of the attention mask>' or a callable "
+            "lengths(batch) -> int[rows]."
+        )
+    mask = batch[key]
+    if getattr(mask, "ndim", None) != 2:
+        raise ValueError(
+            f"{name}[{key!r}], where {call} reads each row's length, must be a [rows, "
+            f"padded length] attention mask, got shape {getattr(mask, 'shape', None)}."
+        )
+    return mask
+
+
+def padded_length(batch: PyTree, config: Any, name: str) -> int:
+    """The batch's padded length: axis 1 of its mask, else of its first rank-2 leaf."""
+    if not callable(config.lengths):
+        return int(_mask(batch, config, name).shape[1])
+    for x in jax.tree.leaves(batch):
+        if x.ndim >= 2:
+            return int(x.shape[1])
+    raise ValueError(
+        f"{name} has no [rows, tokens] leaf for a {type(config).__name__} to cut by tokens."
+    )
+
+
+def warn_float_columns(batch: PyTree, padded: int, name: str, config: Any) -> None:
+    """Warns about float ``[rows, padded]`` leaves (but the mask): trimmed like tokens by
+    a ``TokenBudget`` or ``TokenPacking``, which is wrong for a dense feature that
+    merely has ``padded`` columns."""
+    mask = config.lengths if isinstance(config.lengths, str) else MASK
+    kind = type(config).__name__
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if jax.tree_util.keystr(path) == f"[{mask!r}]":
+            continue
+        if x.ndim == 2 and x.shape[1] == padded and jnp.issubdtype(x.dtype, jnp.floating):
+            warnings.warn(
+                f"{name}{jax.tree_util.keystr(path)} is a float [rows, {padded}] leaf: the "
+                f"{kind} cuts it to each row's tokens like token ids, as a "
+                "per-token feature. If it is a dense feature of that width, the trim drops "
+                "columns and gradient caching is not exact: reshape it (e.g. [rows, 1, "
+                f"{padded}]) or pass it outside the token batch.",
+                stacklevel=4,
+            )
+
+
+# ------------------------------------------------------------- rows, by traced index
+
+
+def take_rows(tree: PyTree, rows: jax.Array, valid: jax.Array, num_shards: int) -> PyTree:
+    """Rows ``rows[s]`` of each shard ``s`` of every leaf, zero where not ``valid``."""
+    valid = valid.reshape(-1)
+
+    def one(g):
+        piece = gather(g, rows, num_shards)
+        return jnp.where(valid.reshape(-1, *[1] * (g.ndim - 1)), piece, jnp.zeros_like(piece))
+
+    return jax.tree.map(one, tree)
+
+
+def put_rows(buffer: PyTree, chunk: PyTree, rows: jax.Array, valid: jax.Array, plan) -> PyTree:
+    """``buffer`` with the chunk's rows written at ``rows[s]`` of each shard ``s`` (of
+    ``plan.num_shards``), in place; rows not ``valid`` are dropped. A chunk leaf shorter
+    than its buffer along axis 1 fills the leading positions."""
+    num_shards, layout = plan.num_shards, plan.layout
+    rows = jnp.where(valid, rows, plan.batch_size // num_shards)  # dropped
+    shard = jnp.zeros_like(rows) + jnp.arange(num_shards)[:, None]  # typed as rows
+
+    def write(buf, piece):
+        bufs = layout.reshape(buf, (num_shards, buf.shape[0] // num_shards, *buf.shape[1:]))
+        piece = layout.reshape(piece, (*rows.shape, *piece.shape[1:]))
+        out = layout.shards_sharding  # explicit axes: say it (JAX cannot infer it)
+        if piece.ndim >= 3 and piece.shape[2] != bufs.shape[2]:
+            at = bufs.at[shard, rows, : piece.shape[2]]
+        else:
+            at = bufs.at[shard, rows]
+        bufs = at.set(piece, mode="drop", out_sharding=out)
+        return layout.reshape(bufs, buf.shape)
+
+    def one(buf, piece):
+        piece = piece.astype(buf.dtype)
+        if _narrow.is_narrow(buf):  # in place on CPU too (see gc_jax._narrow)
+            return _narrow.on_cpu_as_bits(write, buf, piece)
+        return write(buf, piece)
+
+    return jax.tree.map(one, buffer, chunk)
+
+
+def gather(x: jax.Array, rows: jax.Array, num_shards: int) -> jax.Array:
+    """Rows ``rows[s]`` of each shard ``s`` of ``x``, as one ``[S * rows, ...]`` array."""
+    xs = x.reshape(num_shards, -1, *x.shape[1:])
+    piece = jnp.take_along_axis(xs, rows.reshape(*rows.shape, *[1] * (x.ndim - 1)), axis=1)
+    return piece.reshape(-1, *x.shape[1:])
