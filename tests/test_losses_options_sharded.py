@@ -91,7 +91,7 @@ def test_shard_map_matches_reference(name, k, method, block_size):
 def test_untyped_forms_match_reference(transform):
     """pmap and shard_map(check_vma=False): the temperature's gradient summed by hand."""
     x, y, static, arrays, (value, (dx, dy, dt)) = _case("gist_relative", 2)
-    kw = {"block_size": 2, "method": "ring", "axis_name": "d", **static}
+    kw = {"block_size": 2, "method": "ring", "axis_name": "d", "docs_per_query": 2, **static}
 
     def per_device(x, y, t, arrays):
         loss = lambda x, y, t: contrastive_loss(x, y, temperature=t, **kw, **arrays)

@@ -50,6 +50,42 @@ def check_pair(x: jax.Array, y: jax.Array, multiple: bool) -> int:
     return y.shape[0] // x.shape[0]
 
 
+def docs_per_query(
+    rows: int, docs: int, given: Any, axis_name: AxisName | None, names=("x", "y")
+) -> int:
+    """``k``, the documents per query: ``given``, checked against ``docs`` rows for
+    ``rows`` queries, or ``docs // rows`` where that cannot be a mistake.
+
+    Under ``pmap`` or ``shard_map(check_vma=False)`` nothing tells this device's ``k``
+    documents per query from every device's documents passed replicated
+    (``in_axes=None``, ``P()``), which would be read as hard negatives: a wrong loss,
+    silently. There, more documents than queries need ``docs_per_query=`` said.
+    """
+    x, y = names
+    if given is not None:
+        k = _validation.positive_int(given, "docs_per_query")
+        if docs != k * rows:
+            raise ValueError(
+                f"docs_per_query={k} says {y} holds {k} rows per query: {k * rows} for "
+                f"len({x})={rows}, got len({y})={docs}. Across devices both are this "
+                f"device's rows: split {y} like {x}, its {k} rows per query together."
+            )
+        return k
+    untyped = axis_name is not None and _layout.is_bound(axis_name)
+    untyped = untyped and _distributed.typed_axes(axis_name) is None
+    if untyped and docs != rows:
+        raise ValueError(
+            f"{y} has {docs} rows for this device's {rows} queries under pmap or "
+            f"shard_map(check_vma=False), where gc_jax cannot tell {docs // rows} documents "
+            f"per query from every device's documents passed replicated (in_axes=None, "
+            f"in_specs=P()), which would be read as hard negatives: a wrong loss, silently. "
+            f"If each query has {docs // rows} documents here, say docs_per_query="
+            f"{docs // rows}; if {y} holds every device's documents, split it like {x} "
+            f"(pmap in_axes=0, shard_map in_specs=P(axis_name))."
+        )
+    return docs // rows
+
+
 def check_options(reduction: str, block_size: Any, method: Any) -> tuple[int | None, str]:
     """Checks the options every loss takes; returns ``(block_size, method)``."""
     if reduction not in REDUCTIONS:

@@ -32,6 +32,7 @@ def contrastive_loss(
     guide: tuple[jax.Array, jax.Array] | None = None,
     margin_strategy: str = "absolute",
     margin: float | jax.Array = 0.0,
+    docs_per_query: int | None = None,
     hardness_mode: str | None = None,
     hardness_strength: float | jax.Array = 0.0,
     reduction: str = "mean",
@@ -98,6 +99,10 @@ def contrastive_loss(
       margin_strategy: ``"absolute"`` or ``"relative"`` (with ``guide``).
       margin: the guide's margin (with ``guide``; ``0``: drop what it scores above
         the positive).
+      docs_per_query: ``k``, the rows of ``y`` per query (default ``len(y) //
+        len(x)``). Required, when ``k > 1``, under ``pmap`` and
+        ``shard_map(check_vma=False)``, where this device's documents cannot be told
+        from every device's passed replicated.
       hardness_mode: which negatives' logits gain ``hardness_strength * s_raw`` (their
         score before the temperature, not differentiated), as sentence-transformers
         6.2's ``MultipleNegativesRankingLoss``: ``"hard_negatives"`` (the query's own
@@ -201,7 +206,8 @@ def contrastive_loss(
       True
     """
     block_size, method = _common.check_options(reduction, block_size, method)
-    k = _common.check_pair(x, y, multiple=True)
+    _common.check_pair(x, y, multiple=True)
+    k = _common.docs_per_query(len(x), len(y), docs_per_query, axis_name)
     options = _options.Options(
         _options.check_directions(directions, partition_mode),
         partition_mode,

@@ -19,6 +19,7 @@ def gist_loss(
     margin: float | jax.Array = 0.0,
     contrast_anchors: bool = True,
     contrast_positives: bool = True,
+    docs_per_query: int | None = None,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -52,6 +53,9 @@ def gist_loss(
       margin: the guide's margin (0: drop what the guide scores above the positive).
       contrast_anchors: score queries against queries.
       contrast_positives: score positives against positives.
+      docs_per_query: ``k``, the rows of ``y`` per query (default ``len(y) //
+        len(x)``); required when ``k > 1`` under ``pmap`` and
+        ``shard_map(check_vma=False)`` (see :func:`contrastive_loss`).
       {shared args}
 
     Returns:
@@ -69,7 +73,8 @@ def gist_loss(
       True
     """
     block_size, method = _common.check_options(reduction, block_size, method)
-    k = _common.check_pair(x, y, multiple=True)
+    _common.check_pair(x, y, multiple=True)
+    k = _common.docs_per_query(len(x), len(y), docs_per_query, axis_name)
     if guide is None:
         raise ValueError(
             "gist_loss needs guide=(guide_x, guide_y), the guide model's representations "

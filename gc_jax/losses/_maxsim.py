@@ -21,6 +21,7 @@ def maxsim_loss(
     q_mask: jax.Array | None = None,
     d_mask: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
+    docs_per_query: int | None = None,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -56,6 +57,9 @@ def maxsim_loss(
         e.g. the attention mask; None: every token.
       d_mask: which document tokens count, ``[n * k, S]``, likewise.
       temperature: logits are ``s(i, j) / temperature``; may be a traced parameter.
+      docs_per_query: ``k``, the documents per query (default ``len(d) // len(q)``);
+        required when ``k > 1`` under ``pmap`` and ``shard_map(check_vma=False)``
+        (see :func:`contrastive_loss`).
       {shared args}
 
     Returns:
@@ -88,7 +92,8 @@ def maxsim_loss(
       dtype(bfloat16)
     """
     block_size, method = _common.check_options(reduction, block_size, method)
-    k = _check_tokens(q, d)
+    _check_tokens(q, d)
+    k = _common.docs_per_query(len(q), len(d), docs_per_query, axis_name, names=("q", "d"))
     x = Side(q, _mask(q_mask, q, "q_mask", "q"))
     y = Side(d, _mask(d_mask, d, "d_mask", "d"))
 
