@@ -384,9 +384,7 @@ def main(argv=None) -> dict:
     make = example_batches if args.data == "example" else lognormal_batches
     vocab, all_batches = make(args, args.fit_batches + args.batches)
     fit, batches = all_batches[: args.fit_batches], all_batches[args.fit_batches :]
-    model = Encoder(
-        dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0)
-    )
+    model = Encoder(dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0))
     params = dual_encoder.initial_params(model)
     print(common.machine())
     if args.compile_scaling is not None:
