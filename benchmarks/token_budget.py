@@ -10,7 +10,20 @@ pairs; the data (``--data``):
   docstrings padded to ``--query-length`` (64) and the code to ``--document-length``
   (512) tokens: long real texts, most much shorter than the padded length;
 * ``lognormal``: random token ids with lognormal lengths, median ``--median`` (1/5) of
-  the padded length, ``--sigma`` 0.8, for queries and documents alike.
+  the padded length, ``--sigma`` 0.8, for queries and documents alike;
+* ``heldout``: issue 36's held-out shape, random token ids with lognormal lengths of
+  medians ``--medians`` (20 and 90 tokens, like web queries and passages) and sigma
+  ``--sigma`` 0.75 (75 % of the padded tokens are padding), queries padded to 64 and
+  documents to 512; its settings are per input, ``R = --chunk-rows`` (32) rows of the
+  padded length ``L`` a chunk: ``rows`` (R rows), ``pow2`` (``TokenBudget(R * L,
+  powers of 2 from 16 to L)``), ``fitted`` (``TokenBudget.for_lengths(sample, R * L,
+  L)``), ``packing`` (``TokenPacking.for_lengths(sample, R * L, L)``) and
+  ``packing+attention`` (the same, the encoder's attention through
+  ``gc_jax.packing.attention``: score blocks that mix rows skipped), the sample being
+  ``--fit-batches`` other batches. It also prints each setting's modelled FLOPs
+  (the encoder's linear and attention matmuls over the chunk shapes it encodes; for
+  the packing also with attention within each row only, as a segment-aware kernel
+  computes it) and how far its loss and gradients are from the rows'.
 
 Settings: ``rows``: ``chunk_size=--chunk`` rows (default: ``--tokens`` over the documents'
 padded length, so a chunk holds as many tokens as a budget chunk); ``tokens``: per input
@@ -54,17 +67,21 @@ from flax import nnx
 import gc_jax
 from benchmarks import common
 from benchmarks.example_modules import dual_encoder, retrieval_data
+from gc_jax import packing
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--data", choices=["example", "lognormal"], default="lognormal")
+    add("--data", choices=["example", "lognormal", "heldout"], default="lognormal")
     add("--batch", type=int, default=256, help="pairs per step")
     add("--query-length", type=int, default=64, help="the queries' padded length")
     add("--document-length", type=int, default=512, help="the documents' padded length")
     add("--median", type=float, default=0.2, help="lognormal: median length / padded length")
-    add("--sigma", type=float, default=0.8, help="lognormal: sigma of the log length")
+    add("--sigma", type=float, help="lognormal: sigma of the log length (0.8; heldout 0.75)")
+    add("--medians", type=float, nargs=2, default=(20, 90), metavar=("QUERY", "DOCUMENT"),
+        help="heldout: median lengths in tokens")  # fmt: skip
+    add("--chunk-rows", type=int, default=32, help="heldout: rows R of a chunk (budget R * L)")
     add("--tokens", type=int, default=4096, help="the token budget of a chunk")
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
@@ -80,7 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--rounds", type=int, default=5, help="interleaved timing rounds (0: no timing)")
     add("--tpu", metavar="TOPOLOGY", help="also compile for one TPU chip, e.g. v5e:2x2")
     add("--json", help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sigma is None:
+        args.sigma = 0.75 if args.data == "heldout" else 0.8
+    return args
 
 
 def example_batches(args, count: int) -> tuple[int, list]:
@@ -105,21 +125,48 @@ def example_batches(args, count: int) -> tuple[int, list]:
 
 def lognormal_batches(args, count: int) -> tuple[int, list]:
     rng = np.random.default_rng(0)
+    heldout = args.data == "heldout"
 
-    def batch(padded):
-        length = rng.lognormal(np.log(args.median * padded), args.sigma, args.batch)
+    def batch(i, padded):
+        median = args.medians[i] if heldout else args.median * padded
+        length = rng.lognormal(np.log(median), args.sigma, args.batch)
         length = np.clip(np.round(length), 1, padded).astype(np.int32)
         mask = (np.arange(padded)[None] < length[:, None]).astype(np.int32)
         ids = rng.integers(1, dual_encoder.TINY_VOCAB_SIZE, mask.shape, dtype=np.int32)
         return {"input_ids": ids * mask, "attention_mask": mask}
 
     pads = (args.query_length, args.document_length)
-    return dual_encoder.TINY_VOCAB_SIZE, [tuple(batch(p) for p in pads) for _ in range(count)]
+    batches = [tuple(batch(i, p) for i, p in enumerate(pads)) for _ in range(count)]
+    return dual_encoder.TINY_VOCAB_SIZE, batches
 
 
-def grad_step(model, chunk_size):
+class Encoder(dual_encoder.SentenceEncoder):
+    """The example's encoder, with a method whose attention is ``gc_jax.packing.attention``
+    (the same outputs; on packed lines it skips the score blocks that mix rows)."""
+
+    def row_attention(self, input_ids, attention_mask, **packed):
+        chunk = {"input_ids": input_ids, "attention_mask": attention_mask, **packed}
+        x = self.embeddings(input_ids, jnp.zeros_like(input_ids), packing.positions(chunk))
+        for layer in self.layers:
+            att = layer.attention
+            heads = lambda y, att=att: y.reshape(*y.shape[:-1], att.num_heads, -1)
+            context = packing.attention(heads(att.query(x)), heads(att.key(x)),
+                                        heads(att.value(x)), chunk)  # fmt: skip
+            x = layer.attention_norm(x + att.output(context.reshape(x.shape)))
+            hidden = jax.nn.gelu(layer.intermediate(x), approximate=False)
+            x = layer.output_norm(x + layer.output(hidden))
+        pooled = packing.mean_pool(x, chunk)  # L2-normalised, as the example's
+        return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+
+
+def method_of(name: str) -> str:
+    """The encoder method a setting uses: ``row_attention`` for ``*+attention``."""
+    return "row_attention" if name.endswith("+attention") else "__call__"
+
+
+def grad_step(model, chunk_size, method="__call__"):
     """The example's gradient (no optimizer): ``(params, queries, documents) -> (loss, grads)``."""
-    encode_encoder = gc_jax.nnx_encoder(model)
+    encode_encoder = gc_jax.nnx_encoder(model, method=method)
     encode = lambda params, chunk, key: encode_encoder(params["encoder"], chunk, key)
 
     def loss_fn(params, queries, documents):
@@ -143,11 +190,12 @@ def chunk_counts(chunk_size, batch) -> dict[tuple[int, int], int]:
     return chunk_size.chunk_counts(lengths, length)
 
 
-def chunk_flops(model, shape: tuple[int, int], cache: dict, segments: int | None = None) -> float:
+def chunk_flops(model, shape: tuple[int, int], cache: dict, segments: int | None = None,
+                method: str = "__call__") -> float:  # fmt: skip
     """FLOPs of one chunk's forward (pass 1) plus forward and backward (pass 2);
     ``segments``: a packed chunk's (with its packing keys)."""
-    if (shape, segments) not in cache:
-        encode = gc_jax.nnx_encoder(model)
+    if (shape, segments, method) not in cache:
+        encode = gc_jax.nnx_encoder(model, method=method)
         params = nnx.state(model, nnx.Param)
         keys = ("input_ids", "attention_mask") + (
             ("segment_ids", "position_ids") if segments else ()
@@ -157,14 +205,44 @@ def chunk_flops(model, shape: tuple[int, int], cache: dict, segments: int | None
             x["segment_starts"] = jax.ShapeDtypeStruct((shape[0], segments), jnp.int32)
         forward = lambda p, x: encode(p, x, None)
         both = lambda p, x: jax.vjp(lambda p: forward(p, x), p)[1](forward(p, x))
-        cache[shape, segments] = sum(
+        cache[shape, segments, method] = sum(
             float(jax.jit(f).lower(params, x).cost_analysis()["flops"]) for f in (forward, both)
         )
-    return cache[shape, segments]
+    return cache[shape, segments, method]
 
 
 def packings(args) -> tuple[gc_jax.TokenPacking, gc_jax.TokenPacking]:
     return (gc_jax.TokenPacking(args.tokens, args.segments),) * 2
+
+
+def heldout_settings(args, fit) -> dict:
+    """Issue 36's four settings, per input: ``R`` rows, or ``R * L`` tokens a chunk."""
+    rows, pads = args.chunk_rows, (args.query_length, args.document_length)
+    samples = [np.stack([b[i]["attention_mask"].sum(-1) for b in fit]) for i in range(2)]
+    pow2 = lambda n: tuple(sorted({*(2**k for k in range(4, n.bit_length()) if 2**k < n), n}))
+    per_input = lambda make: tuple(make(s, rows * n, n) for s, n in zip(samples, pads, strict=True))
+    return {
+        "rows": (rows, rows),
+        "pow2": per_input(lambda s, tokens, n: gc_jax.TokenBudget(tokens, pow2(n))),
+        "fitted": per_input(gc_jax.TokenBudget.for_lengths),
+        "packing": per_input(gc_jax.TokenPacking.for_lengths),
+        "packing+attention": per_input(gc_jax.TokenPacking.for_lengths),
+    }
+
+
+def modelled_flops(config, counts, lengths=None) -> float:
+    """The encoder's matmul FLOPs over ``counts`` (``{(rows, tokens): chunks}``), forward
+    (pass 1) plus forward and backward (pass 2): 4x a forward. Per layer and token, the
+    Q, K, V, output and feed-forward matmuls; per layer, query and key, the scores and
+    the weighted values. ``lengths``: attention within each row of these lengths only
+    (a segment-aware kernel on packed lines), else over each chunk row's tokens."""
+    width, hidden = config.hidden_size, config.intermediate_size
+    linear = 2 * (4 * width * width + 2 * width * hidden)
+    tokens = sum(r * t * n for (r, t), n in counts.items())
+    pairs = sum(r * t * t * n for (r, t), n in counts.items())
+    if lengths is not None:
+        pairs = float(np.sum(np.square(lengths, dtype=np.float64)))
+    return 4.0 * config.num_hidden_layers * (linear * tokens + 4 * width * pairs)
 
 
 def input_budgets(args, fit) -> tuple[gc_jax.TokenBudget, gc_jax.TokenBudget]:
@@ -252,19 +330,25 @@ def tpu_memory(step, params, batch, topology: str) -> dict:
 def measure(args, model, params, settings, batches) -> dict:
     results, flops = {}, {}
     for name, chunks in settings.items():
-        step = grad_step(model, chunks)
+        step = grad_step(model, chunks, method_of(name))
         compiled, wall, cpu = compile_timed(step, params, *batches[0])
         counts = [[chunk_counts(c, x) for c, x in zip(chunks, b, strict=True)] for b in batches]
         encoded = [[sum(r * n * t for (r, n), t in c.items()) for c in b] for b in counts]
         real = [[int(x["attention_mask"].sum()) for x in b] for b in batches]
         segments = [getattr(c, "segments", None) for c in chunks]
         work = [
-            sum(chunk_flops(model, s, flops, n) * t for c, n in zip(b, segments, strict=True)
-                for s, t in c.items())
+            sum(chunk_flops(model, s, flops, n, method_of(name)) * t
+                for c, n in zip(b, segments, strict=True) for s, t in c.items())
             for b in counts
         ]  # fmt: skip
+        lengths = [[np.asarray(x["attention_mask"]).sum(-1) for x in b] for b in batches]
+        model_flops = [sum(modelled_flops(model.config, c) for c in b) for b in counts]
+        per_row = [sum(modelled_flops(model.config, c, n) for c, n in zip(b, ls, strict=True))
+                   for b, ls in zip(counts, lengths, strict=True)]  # fmt: skip
         results[name] = {
             "step": compiled,
+            "model_gflop": float(np.mean(model_flops)) / 1e9,
+            "model_gflop_per_row_attention": float(np.mean(per_row)) / 1e9,
             "wall": [],
             "cpu": [],
             "padded": 1 - np.sum(real) / np.sum(encoded),
@@ -275,8 +359,14 @@ def measure(args, model, params, settings, batches) -> dict:
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "shapes": [sorted(c) for c in counts[0]],
         }
-        if args.rounds:
-            jax.block_until_ready(compiled(params, *batches[0]))  # warm up
+        out = jax.block_until_ready(compiled(params, *batches[0]))  # warm up; exactness
+        results[name]["out"] = out
+    base = results["rows"]["out"]
+    for r in results.values():
+        scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(base[1]))
+        r["loss_diff"] = abs(float(r["out"][0] - base[0]))
+        pairs = zip(jax.tree.leaves(r["out"][1]), jax.tree.leaves(base[1]), strict=True)
+        r["grad_diff"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs) / scale
     for i in range(args.rounds):  # interleaved; every other round in reverse order
         for r in list(results.values())[:: 1 if i % 2 == 0 else -1]:
             wall, cpu = time.perf_counter(), time.process_time()
@@ -294,16 +384,16 @@ def main(argv=None) -> dict:
     make = example_batches if args.data == "example" else lognormal_batches
     vocab, all_batches = make(args, args.fit_batches + args.batches)
     fit, batches = all_batches[: args.fit_batches], all_batches[args.fit_batches :]
-    model = dual_encoder.SentenceEncoder(
-        dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0)
-    )
+    model = Encoder(dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0))
     params = dual_encoder.initial_params(model)
     print(common.machine())
     if args.compile_scaling is not None:
         compile_scaling(args, model, params, chunk, fit, batches[0])
         return {}
     settings = {"rows": (chunk, chunk), "tokens": input_budgets(args, fit)}
-    if not args.no_packing:
+    if args.data == "heldout":
+        settings = heldout_settings(args, fit)
+    elif not args.no_packing:
         settings["packing"] = packings(args)
     print(f"data {args.data}: batch {args.batch}, queries {args.query_length} / documents "
           f"{args.document_length} tokens, {args.batches} batches timed x {args.rounds} "
@@ -315,7 +405,8 @@ def main(argv=None) -> dict:
     print(f"after: {common.load()}")
     report(results, settings, args)
     if args.json:
-        keep = {n: {k: v for k, v in r.items() if k != "step"} for n, r in results.items()}
+        keep = {n: {k: v for k, v in r.items() if k not in ("step", "out")}
+                for n, r in results.items()}  # fmt: skip
         settings_text = {n: str(s) for n, s in settings.items()}
         common.write_json(common.ROOT / args.json, {"args": vars(args), "settings": settings_text,
                                                     "results": keep}, default=float)  # fmt: skip
@@ -347,6 +438,15 @@ def report(results, settings, args) -> None:
             f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f}) | {r['temp'] / 2**20:.1f} |{mem} "
             f"{shapes} |"
         )
+    print("\n| chunks | modelled GFLOP (vs rows) | with attention within rows (vs rows) "
+          "| rows' step / this step: wall; CPU | vs rows: loss diff, max grad diff |")  # fmt: skip
+    for name, r in results.items():
+        speed = lambda key, r=r: [b / a for a, b in zip(r[key], rows[key], strict=True)]
+        model, per_row = r["model_gflop"], r["model_gflop_per_row_attention"]
+        print(f"| {name} | {model:.0f} ({model / rows['model_gflop']:.2f}x) | {per_row:.0f} "
+              f"({per_row / rows['model_gflop']:.2f}x) | {_spread(speed('wall'))}; "
+              f"{_spread(speed('cpu'))} | "
+              f"{r['loss_diff']:.1e}, {r['grad_diff']:.1e} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ Examples:
   >>> packing.first_token(hidden, chunk)
   Array([[0.],
          [2.]], dtype=float32)
+  >>> q = jnp.ones((1, 6, 2, 4))  # [lines, L, heads, head_dim]
+  >>> packing.attention(q, q, q, chunk).shape  # each row attends to its own tokens only
+  (1, 6, 2, 4)
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ import jax.numpy as jnp
 
 from gc_jax._chunks.packing import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
 from gc_jax._chunks.token_rows import MASK
+
+IMPLEMENTATIONS = ("xla", "blocked", "splash")
+# The shares of a chunk's (query block, key block) pairs a "blocked" attention has a
+# compiled branch for; more pairs than the largest share take the dense form.
+_PAIR_SHARES = (1 / 8, 1 / 4, 1 / 2)
 
 
 def is_packed(chunk: Any) -> bool:
@@ -107,3 +115,177 @@ def first_token(hidden: jax.Array, chunk: Mapping) -> jax.Array:
     starts = chunk[SEGMENT_STARTS]
     at = starts.reshape(*starts.shape, *[1] * (hidden.ndim - 2))
     return jnp.take_along_axis(hidden, at, axis=1).reshape(-1, *hidden.shape[2:])
+
+
+def segment_ids(chunk: Mapping, mask: str = MASK) -> tuple[jax.Array, jax.Array]:
+    """Query and key segment ids, ``int32[lines, L]`` each: a query attends to the keys
+    of its own id (the ids :func:`attention` and splash attention take).
+
+    Packed: a row's tokens have its id (``k + 1``) as queries, and as keys where
+    ``chunk[mask]`` keeps them (else 0); padding is 0 both ways. Unpacked: 1 on every
+    query, and on the kept keys. A line without a kept key keeps every key (as a dense
+    mask filled with a large negative does: a uniform mean), so no query is left
+    without keys (:func:`attention` also gives such a line equal scores).
+    """
+    keep = jnp.asarray(chunk[mask]) != 0
+    if is_packed(chunk):
+        query = jnp.asarray(chunk[SEGMENT_IDS], jnp.int32)
+    else:
+        query = jnp.ones(keep.shape, jnp.int32)
+    key = jnp.where(keep | ~jnp.any(keep, axis=1, keepdims=True), query, 0)
+    return query, key
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    chunk: Mapping,
+    *,
+    mask: str = MASK,
+    implementation: str | None = None,
+    block_size: int = 32,
+) -> jax.Array:
+    """Softmax attention in which each token sees only its own row's kept tokens.
+
+    The same outputs as masking dense scores with :func:`attention_mask` at every
+    token of a row (the tokens outside every row, a packed line's padding, get
+    finite outputs of their own, which pooling ignores), without computing the
+    score blocks that mix rows: a packed line's attention costs about the sum of
+    its rows' squared lengths, not the line's.
+
+    Args:
+      query, key, value: ``[lines, L, heads, head_dim]`` (as
+        ``jax.nn.dot_product_attention``); the query is scaled by ``head_dim ** -0.5``.
+      chunk: the chunk the encoder receives, packed or not.
+      mask: the key of the token mask in ``chunk``.
+      implementation: ``"xla"`` (dense scores, masked), ``"blocked"`` (only the
+        ``block_size`` x ``block_size`` score blocks that pair a row with itself; a
+        compiled branch per share of the blocks, chosen per chunk), ``"splash"`` (TPU
+        only: Pallas splash attention with segment ids, which skips the blocks
+        fully masked) or None: splash on TPU where the shapes allow (``L`` a
+        multiple of 128), else xla. On XLA:CPU ``"blocked"`` measured slower than
+        ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips; see
+        BENCHMARKS.md), so it is never chosen for you.
+      block_size: the blocked form's block length.
+
+    Returns:
+      ``[lines, L, heads, head_dim]``, the dtype of ``query``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from gc_jax import packing
+      >>> chunk = {"attention_mask": jnp.ones((1, 8), int),
+      ...          "segment_ids": jnp.array([[1, 1, 1, 2, 2, 2, 2, 2]]),
+      ...          "segment_starts": jnp.array([[0, 3]])}
+      >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+      >>> dense = packing.attention(q, k, v, chunk, implementation="xla")
+      >>> blocked = packing.attention(q, k, v, chunk, implementation="blocked", block_size=4)
+      >>> bool(jnp.allclose(dense, blocked, atol=1e-6))
+      True
+    """
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(f"packing.attention implementation: got {implementation!r}; "
+                         f"write one of {IMPLEMENTATIONS} or None (by backend)")  # fmt: skip
+    if query.ndim != 4 or key.shape != query.shape or value.shape[:3] != query.shape[:3]:
+        raise ValueError("packing.attention: query, key and value must be [lines, L, heads, "
+                         f"head_dim]; got {query.shape}, {key.shape}, {value.shape}")  # fmt: skip
+    ids = segment_ids(chunk, mask)
+    # A line without a kept key: equal scores (a uniform mean), as a dense mask filled
+    # with a large negative gives, and no gradient to the queries and keys.
+    empty = ~jnp.any(jnp.asarray(chunk[mask]) != 0, axis=1)[:, None, None, None]
+    query = jnp.where(empty, jnp.zeros((), query.dtype), query)
+    length = query.shape[1]
+    blocked = length % block_size == 0 and length > block_size
+    if implementation == "xla" or (implementation is None and length % 128):
+        return _dense(query, key, value, *ids)
+    if implementation == "blocked":
+        if not blocked:
+            raise ValueError(f"packing.attention block_size: got {block_size}, which does "
+                             f"not divide L = {length} into blocks; write a divisor")  # fmt: skip
+        return _blocked(query, key, value, *ids, block_size)
+    if implementation == "splash":
+        return _splash(query, key, value, *ids)
+    return jax.lax.platform_dependent(query, key, value, *ids, tpu=_splash, default=_dense)
+
+
+def _dense(query, key, value, query_ids, key_ids):
+    keep = (query_ids[:, :, None] == key_ids[:, None, :])[:, None]  # [lines, 1, q, k]
+    scale = jnp.asarray(query.shape[-1] ** -0.5, query.dtype)
+    scores = jnp.einsum("lqhd,lkhd->lhqk", query * scale, key)
+    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
+    weights = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("lhqk,lkhd->lqhd", weights.astype(value.dtype), value)
+
+
+def _blocked(query, key, value, query_ids, key_ids, block):
+    """Only the score blocks whose queries and keys share a segment, gathered into a
+    list of at most a share of all the chunk's blocks (a branch per share)."""
+    lines, length = query.shape[:2]
+    n = length // block
+    width = query_ids.shape[1]  # segment ids are below L + 1
+    has = lambda ids: jax.nn.one_hot(
+        jnp.minimum(ids, width), width + 1, dtype=jnp.bfloat16
+    ).reshape(lines, n, block, -1).max(2)  # fmt: skip
+    pairs = jnp.einsum("lis,ljs->lij", has(query_ids), has(key_ids),
+                       preferred_element_type=jnp.float32) > 0  # fmt: skip
+    total = lines * n * n
+    caps = [max(1, int(total * share)) for share in _PAIR_SHARES]
+    branches = [lambda *a, cap=cap: _block_pairs(*a, block=block, cap=cap) for cap in caps] + [
+        lambda q, k, v, qi, ki, pairs: _dense(q, k, v, qi, ki)
+    ]
+    which = jnp.searchsorted(jnp.asarray(caps), jnp.sum(pairs))
+    return jax.lax.switch(which, branches, query, key, value, query_ids, key_ids, pairs)
+
+
+def _block_pairs(query, key, value, query_ids, key_ids, pairs, *, block, cap):
+    lines, length, heads, dim = query.shape
+    n = length // block
+    (flat,) = jnp.nonzero(pairs.reshape(-1), size=cap, fill_value=pairs.size)
+    valid = flat < pairs.size
+    flat = jnp.where(valid, flat, 0)
+    q_block = flat // n  # line * n + query block
+    k_block = (flat // (n * n)) * n + flat % n
+    blocks = lambda x: x.reshape(lines * n, block, *x.shape[2:])
+    qb = blocks(query)[q_block] * jnp.asarray(dim**-0.5, query.dtype)
+    kb, vb = blocks(key)[k_block], blocks(value)[k_block]
+    same = blocks(query_ids)[q_block][:, :, None] == blocks(key_ids)[k_block][:, None, :]
+    same = (same & valid[:, None, None])[:, None]  # [pairs, 1, queries, keys]
+    scores = jnp.einsum("pqhd,pkhd->phqk", qb, kb)
+    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
+    scores = jnp.where(same, scores, -jnp.inf)
+    out_blocks = jnp.where(valid, q_block, lines * n)  # an unused pair: a block dropped
+    top = jax.ops.segment_max(jnp.max(scores, -1), out_blocks, lines * n + 1,
+                              indices_are_sorted=True)  # fmt: skip
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0))
+    weights = jnp.where(same, jnp.exp(scores - top[out_blocks][..., None]), 0)
+    total = jax.ops.segment_sum(jnp.sum(weights, -1), out_blocks, lines * n + 1,
+                                indices_are_sorted=True)  # fmt: skip
+    context = jnp.einsum("phqk,pkhd->pqhd", weights.astype(value.dtype), vb)
+    context = jax.ops.segment_sum(context, out_blocks, lines * n + 1, indices_are_sorted=True)
+    norm = jnp.swapaxes(jnp.maximum(total[:-1], jnp.finfo(total.dtype).tiny), 1, 2)
+    out = context[:-1] / norm[..., None].astype(context.dtype)
+    return out.reshape(lines, length, heads, dim).astype(query.dtype)
+
+
+def _splash(query, key, value, query_ids, key_ids):
+    """Pallas splash attention (TPU) over each line, with the segment ids."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as mask_lib,
+    )
+
+    _, length, heads, dim = query.shape
+    full = mask_lib.MultiHeadMask([mask_lib.FullMask((length, length))] * heads)
+    kernel = kernel_lib.make_splash_mha(full, head_shards=1, q_seq_shards=1)
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [lines, heads, L, dim]
+    scaled = query * jnp.asarray(dim**-0.5, query.dtype)
+
+    def line(q, k, v, qi, ki):
+        return kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(q=qi, kv=ki))
+
+    out = jax.vmap(line)(heads_first(scaled), heads_first(key), heads_first(value),
+                         query_ids, key_ids)  # fmt: skip
+    return heads_first(out).astype(query.dtype)
