@@ -19,7 +19,8 @@ pairs; the data (``--data``):
   powers of 2 from 16 to L)``), ``fitted`` (``TokenBudget.for_lengths(sample, R * L,
   L)``), ``packing`` (``TokenPacking.for_lengths(sample, R * L, L)``) and
   ``packing+attention`` (the same, the encoder's attention through
-  ``gc_jax.packing.attention``: score blocks that mix rows skipped), the sample being
+  ``gc_jax.packing.attention(implementation="blocked")``: score blocks that mix rows
+  skipped), the sample being
   ``--fit-batches`` other batches. It also prints each setting's modelled FLOPs
   (the encoder's linear and attention matmuls over the chunk shapes it encodes; for
   the packing also with attention within each row only, as a segment-aware kernel
@@ -151,7 +152,8 @@ class Encoder(dual_encoder.SentenceEncoder):
             att = layer.attention
             heads = lambda y, att=att: y.reshape(*y.shape[:-1], att.num_heads, -1)
             context = packing.attention(heads(att.query(x)), heads(att.key(x)),
-                                        heads(att.value(x)), chunk)  # fmt: skip
+                                        heads(att.value(x)), chunk,
+                                        implementation="blocked")  # fmt: skip
             x = layer.attention_norm(x + att.output(context.reshape(x.shape)))
             hidden = jax.nn.gelu(layer.intermediate(x), approximate=False)
             x = layer.output_norm(x + layer.output(hidden))
