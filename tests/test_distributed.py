@@ -45,10 +45,10 @@ def encode(params, x, key):
     return jnp.tanh(x @ params["w1"]) @ params["w2"]
 
 
-def make_loss(axis_name=None):
+def make_loss(axis_name=None, k=None):
     def loss(params, q, d):
         temp = jnp.exp(params["log_temp"])
-        return contrastive_loss(q, d, temperature=temp, axis_name=axis_name)
+        return contrastive_loss(q, d, temperature=temp, axis_name=axis_name, docs_per_query=k)
 
     return loss
 
@@ -72,7 +72,7 @@ CASES = [(1, 1), (4, 1), (LOCAL_ROWS, 1), (4, 3), (5, 2)]
 
 @pytest.mark.parametrize(("chunk_size", "k"), CASES)
 def test_pmap(chunk_size, k):
-    grad_fn = gc_jax.cached_value_and_grad(make_loss("d"), encode, chunk_size, axis_name="d")
+    grad_fn = gc_jax.cached_value_and_grad(make_loss("d", k), encode, chunk_size, axis_name="d")
     q, d = global_batch(k)
     loss, grads = jax.pmap(grad_fn, axis_name="d", in_axes=(None, 0, 0))(
         make_params(), per_device(q), per_device(d)

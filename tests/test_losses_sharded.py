@@ -90,11 +90,14 @@ def _per_device(scalars: str, configs):
         out = []
         for i, (x, y) in zip(configs, batches, strict=True):
             case, block_size, reduction = DISTRIBUTED[i]
-            loss, _, _, values = CASES[case]
+            loss, _, k, values = CASES[case]
             s = [jnp.float32(v) for v in values]
             if scalars == "varying":
                 s = gc_jax._distributed.to_varying(s, "d")
-            fn = functools.partial(loss, reduction=reduction, block_size=block_size, axis_name="d")
+            kw = {"docs_per_query": k} if k > 1 else {}  # said: required under pmap
+            fn = functools.partial(
+                loss, reduction=reduction, block_size=block_size, axis_name="d", **kw
+            )
             value, (dx, dy, *ds) = jax.value_and_grad(fn, tuple(range(2 + len(s))))(x, y, *s)
             if scalars != "replicated":
                 ds = jax.lax.psum(ds, "d")

@@ -80,7 +80,7 @@ def test_shard_map_none_reduction_is_local_rows(mesh, method):
 
 def test_pmap_matches_full_batch(mesh):
     inputs, (value, (dq, dd, _)) = full_batch()
-    kw = {"axis_name": "d", "block_size": 2}
+    kw = {"axis_name": "d", "block_size": 2, "docs_per_query": 2}
     per_device = jax.value_and_grad(functools.partial(loss, **kw), (0, 1))
     f = jax.pmap(per_device, axis_name="d", in_axes=(0, 0, 0, 0, None), devices=jax.devices()[:D])
     split = lambda v: v.reshape(D, -1, *v.shape[1:])
