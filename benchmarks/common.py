@@ -379,15 +379,23 @@ def total_bytes(m: Any) -> int:
 _OOM = re.compile(
     r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
 )
+# libtpu 0.0.50's other form ("CompileTimeHbmOom"), e.g. when a collective's scoped memory
+# does not fit: "Used 17.70G of 15.75G hbm. ..." then, lines below, "HLO temp 10.25G (...".
+_OOM_USED = re.compile(r"Used [\d.]+[KMGT] of ([\d.]+)([KMGT]) hbm")
+_OOM_TEMP = re.compile(r"HLO temp +([\d.]+)([KMGT])")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def out_of_memory(err: Exception) -> tuple[float, float] | None:
     """``(temporaries, HBM)`` in bytes from the TPU compiler's out-of-memory error, or None."""
-    found = _OOM.search(str(err))
-    if "RESOURCE_EXHAUSTED" not in str(err) or not found:
+    if "RESOURCE_EXHAUSTED" not in str(err):
         return None
-    return tuple(float(found[i]) * _UNITS[found[i + 1]] for i in (1, 3))
+    if found := _OOM.search(str(err)):
+        return tuple(float(found[i]) * _UNITS[found[i + 1]] for i in (1, 3))
+    hbm, temp = _OOM_USED.search(str(err)), _OOM_TEMP.search(str(err))
+    if not hbm or not temp:
+        return None
+    return tuple(float(found[1]) * _UNITS[found[2]] for found in (temp, hbm))
 
 
 # A buffer-assignment line of a preallocated temporary. libtpu 0.0.42 (JAX 0.10) writes

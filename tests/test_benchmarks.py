@@ -50,6 +50,11 @@ def test_out_of_memory_messages_are_read_in_any_unit():
     assert common.out_of_memory(RuntimeError(message.format("512.5M", "15.75G")))[0] == (
         512.5 * 2**20)  # fmt: skip
     assert common.out_of_memory(RuntimeError("INTERNAL: something else")) is None
+    scoped = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory in memory "
+              "space hbm. Used 17.70G of 15.75G hbm. Exceeded hbm capacity by 1.96G.\n\n"
+              "Program hbm requirement 13.98G:\n    scoped            3.73G\n"
+              "    HLO temp         10.25G (99.9% utilization: ...)")  # fmt: skip
+    assert common.out_of_memory(RuntimeError(scoped)) == (10.25 * 2**30, 15.75 * 2**30)
 
 
 # --- the package and its index -------------------------------------------------------------
