@@ -34,23 +34,24 @@ gradients of ``x`` and ``ys`` come back in their own dtypes.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax.losses import _strategies, _sweeps, _tiles
 from gc_jax.losses._order import zero_after
+from gc_jax.losses._scores import Dot, Score
 from gc_jax.losses._strategies import Rows, Strategy
 from gc_jax.losses._tiles import (
     Firsts,
     blocks,
+    count,
     first,
+    logits,
     loop,
-    read,
     read_tree,
     sizes,
-    tile,
     write,
 )
 
@@ -69,6 +70,8 @@ def sweep(
     bias: Scalar,
     carry: Rows,
     mask: Mask | None = None,
+    *,
+    score: Score = Dot,
 ) -> Rows:
     """``carry`` (one running statistic per row of ``x``) updated with every tile of ``ys``.
 
@@ -77,22 +80,23 @@ def sweep(
     gave them (they would otherwise count ``ys`` twice). ``_ring`` calls this
     once per block of ``ys`` that reaches the device. ``mask``: ``(rule, rows_meta,
     cols_meta)``, the pairs each tile keeps (see ``_masks``); None keeps every pair.
+    ``score``: how a tile is scored (``_scores``); ``x`` and ``ys`` are its rows.
     """
-    bq, bk = sizes(block, x, ys)
-    n, m = len(x), len(ys)
+    n, m = count(x), count(ys)
+    bq, bk = sizes(block, n, m)
     rule, rows_meta, cols_meta = mask or (None, None, None)
 
     def query_block(i, carry, x, targets, ys, rows_meta, cols_meta):
         qs = first(i, bq, n)
-        xq, tq = read(x, qs, bq), read_tree(targets, qs, bq)
+        xq, tq = read_tree(x, qs, bq), read_tree(targets, qs, bq)
         rm = read_tree(rows_meta, qs, bq)
-        before = tuple(read(c, qs, bq) for c in carry)
+        before = read_tree(carry, qs, bq)
 
         def step(j, rows, ys, cols_meta):
             ks = first(j, bk, m)
             keep, boost = _pairs(rule, rm, cols_meta, qs, bq, ks, bk)
-            yk = read(ys, ks, bk)
-            _, z, valid, pos = tile(xq, yk, tq, ks, j * bk, scale, bias, keep, boost)
+            raw, _ = score.raw(xq, read_tree(ys, ks, bk), scale.dtype)
+            z, valid, pos = logits(raw, tq, ks, j * bk, scale, bias, keep, boost)
             return kind.update(rows, z, valid, pos)
 
         after = loop(step, blocks(m, bk), before, ys, cols_meta)
@@ -113,30 +117,38 @@ def _pairs(rule, rm, cols_meta, qs, bq, ks, bk) -> tuple:
     return rule.keep(rm, cm, rows, cols), rule.boost(rm, cm, rows, cols)
 
 
-def init(kind: Strategy, x: jax.Array | Firsts, *others: Any, dtype: Any) -> Rows:
-    """``kind.init`` for the rows of ``x``, typed to vary like ``x`` and ``others``."""
+def init(kind: Strategy, x: Any, *others: Any, dtype: Any) -> Rows:
+    """``kind.init`` for the rows of ``x`` (a pytree of them), varying like ``x`` and ``others``."""
     return kind.init(_tiles.row_zeros(x, dtype, *others))
 
 
-def _forward(
-    kind: Strategy,
-    block: int,
-    x: jax.Array,
-    ys: jax.Array,
-    targets: jax.Array,
-    scale: Scalar,
-    bias: Scalar,
-) -> tuple[jax.Array, jax.Array]:
+class Form(NamedTuple):
+    """What a row-wise loss computes, static (hashable): its strategy, its score, the
+    rows per tile and the rule of the pairs it keeps (``_masks``; None keeps all)."""
+
+    kind: Strategy
+    score: Score = Dot
+    block: int = 0
+    rule: Any = None
+
+    def mask(self, meta: tuple | None) -> Mask | None:
+        """``(rule, rows_meta, cols_meta)`` from ``meta = (rows_meta, cols_meta)``."""
+        return None if self.rule is None else (self.rule, *meta)
+
+
+def _forward(form: Form, x, ys, targets, scale, bias, meta) -> tuple[jax.Array, jax.Array]:
     """Per-row losses and statistics: one :func:`sweep` over all of ``ys``."""
-    carry = init(kind, x, ys, dtype=scale.dtype)
-    return kind.finish(sweep(kind, block, x, ys, targets, scale, bias, carry))
+    carry = init(form.kind, x, ys, dtype=scale.dtype)
+    mask, score = form.mask(meta), form.score
+    rows = sweep(form.kind, form.block, x, ys, targets, scale, bias, carry, mask, score=score)
+    return form.kind.finish(rows)
 
 
 def backward(
     kind: Strategy,
     block: int,
-    x: jax.Array | Firsts,
-    ys: jax.Array,
+    x: Any,
+    ys: Any,
     targets: jax.Array | None,
     scale: Scalar,
     bias: Scalar,
@@ -144,6 +156,8 @@ def backward(
     g: jax.Array,
     mask: Mask | None = None,
     into: tuple[Any, Any] | None = None,
+    *,
+    score: Score = Dot,
 ) -> tuple[Any, Any, Scalar, Scalar]:
     """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile.
 
@@ -151,14 +165,15 @@ def backward(
     ``dx`` (and the scalars' gradients) over the key blocks, one over key blocks sums
     each block's ``dy`` over the query blocks. A block's gradient is accumulated in
     ``scale``'s dtype and written in its input's dtype: no batch-sized array ever
-    exists in a dtype wider than the inputs'.
+    exists in a dtype wider than the inputs'. ``dx`` and ``dy`` are the cotangents of
+    ``score.leaf(x)`` and ``score.leaf(ys)``.
 
     ``into``: ``(dx_buf, dy_buf)``, buffers the gradients are *added* to (returned
     updated, in place of ``dx, dy``); ``dy_buf`` None adds ``dy`` to the array under
     the updated ``dx_buf`` (``x`` and ``ys`` are rows of one array). Without it
     ``dx`` and ``dy`` are written over copies of ``x`` and ``ys``.
     """
-    sweeps = _sweeps.Sweeps(kind, block, x, ys, targets, scale, bias, stat, g, mask)
+    sweeps = _sweeps.Sweeps(kind, block, x, ys, targets, scale, bias, stat, g, mask, score)
     if into is not None:
         return sweeps.add_into(*into)
     # Every row of dx and dy is written, so their buffers start as x and ys (zeros
@@ -168,29 +183,40 @@ def backward(
     # block index depends on the first sweep's result, so it provably runs after it
     # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
     # arrays (x, dx, ys/dy), not four.
-    dx, dscale, dbias = sweeps.query_sweep(_tiles.varying_like(x, x, ys), add=False)
-    dy = sweeps.key_sweep(_tiles.varying_like(ys, x, ys), zero_after(dscale), add=False)
+    dx_buf = _tiles.varying_like(score.leaf(x), x, ys)
+    dx, dscale, dbias = sweeps.query_sweep(dx_buf, add=False)
+    dy_buf = _tiles.varying_like(score.leaf(ys), x, ys)
+    dy = sweeps.key_sweep(dy_buf, zero_after(dscale), add=False)
     return dx, dy, dscale, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _rowwise(kind, block, x, ys, targets, scale, bias):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rowwise(form, x, ys, targets, scale, bias, meta):
     """Per-row losses; the forward saves the inputs and one statistic per row."""
-    return _forward(kind, block, x, ys, targets, scale, bias)[0]
+    return _forward(form, x, ys, targets, scale, bias, meta)[0]
 
 
-def _rowwise_fwd(kind, block, x, ys, targets, scale, bias):
-    loss, stat = _forward(kind, block, x, ys, targets, scale, bias)
-    return loss, (x, ys, targets, scale, bias, stat)
+def _rowwise_fwd(form, x, ys, targets, scale, bias, meta):
+    loss, stat = _forward(form, x, ys, targets, scale, bias, meta)
+    return loss, (x, ys, targets, scale, bias, meta, stat)
 
 
-def _rowwise_bwd(kind, block, res, g):
-    x, ys, targets, scale, bias, stat = res
-    dx, dys, dscale, dbias = backward(kind, block, x, ys, targets, scale, bias, stat, g)
-    return dx, dys, None, dscale, dbias
+def _rowwise_bwd(form, res, g):
+    x, ys, targets, scale, bias, meta, stat = res
+    kind, score, block, mask = form.kind, form.score, form.block, form.mask(meta)
+    grads = backward(kind, block, x, ys, targets, scale, bias, stat, g, mask, score=score)
+    dx, dys, dscale, dbias = grads
+    none = jax.tree.map(lambda _: None, meta)
+    return cotangent(score, x, dx), cotangent(score, ys, dys), None, dscale, dbias, none
 
 
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def cotangent(score: Score, rows: Any, leaf: jax.Array) -> Any:
+    """The cotangent of ``rows`` whose differentiated leaf's is ``leaf`` (None elsewhere)."""
+    rest = jax.tree.map(lambda _: None, score.rest(rows))
+    return score.join(leaf, rest)
 
 
 def accumulation_dtype(*values: Any) -> jnp.dtype:
@@ -200,20 +226,27 @@ def accumulation_dtype(*values: Any) -> jnp.dtype:
 
 def call(
     kind: Strategy,
-    x: jax.Array,
-    ys: jax.Array,
+    x: Any,
+    ys: Any,
     targets: jax.Array,
     scale: float | jax.Array,
     bias: float | jax.Array,
     block_size: int,
+    *,
+    score: Score = Dot,
+    mask: Mask | None = None,
 ) -> jax.Array:
     """Casts the scalars to the accumulation dtype, varying like the rows, then runs.
 
-    ``x`` and ``ys`` keep their dtypes: only tiles are computed in the wider dtype.
+    ``x`` and ``ys`` (rows of ``score``) keep their dtypes: only tiles are computed in
+    the wider dtype. ``mask``: ``(rule, rows_meta, cols_meta)``, the pairs kept.
     """
-    acc = accumulation_dtype(x, ys, scale, bias)
-    scale, bias = _tiles.varying_like((jnp.asarray(scale, acc), jnp.asarray(bias, acc)), x, ys)
-    return _rowwise(kind, block_size, x, ys, targets, scale, bias)
+    acc = accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
+    scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
+    scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
+    rule, *meta = mask or (None, None, None)
+    form = Form(kind, score, block_size, rule)
+    return _rowwise(form, x, ys, targets, scale, bias, None if rule is None else tuple(meta))
 
 
 def softmax_cross_entropy(

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _maxsim_ring, _maxsim_tiles
-from gc_jax.losses._maxsim_tiles import Side
+from gc_jax.losses import _blockwise, _common, _docs, _ring
+from gc_jax.losses._scores import MaxSim, Side
+from gc_jax.losses._strategies import Softmax
 
 
 @_docs.shared_docs
@@ -113,7 +114,8 @@ def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.A
     n = len(x.tokens)
     if ring:
         block = block_size or max(n, len(y.tokens))  # dense: one tile per travelling block
-        return _maxsim_ring.rows(x, y, jnp.arange(n) * k, scale, block, axis_name)
+        targets = jnp.arange(n) * k
+        return _ring.rows(Softmax, x, y, targets, scale, 0.0, block, axis_name, score=MaxSim)
     if axis_name is not None:
         y = Side(*(_distributed.all_gather(v, axis_name) for v in y))
     offset = 0 if axis_name is None else _distributed.axis_index_offset(n, axis_name)
@@ -122,8 +124,8 @@ def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.A
     (qt, dt), (qm, dm) = (_layout.gathered_scoring(a, b, whole) for a, b in zip(x, y, strict=True))
     x, y = Side(qt, qm), Side(dt, dm)
     if block_size is not None:
-        return _maxsim_tiles.rows(x, y, targets, scale, block_size)
-    logits = scale * _maxsim_tiles.scores(x, y, scale.dtype)[0]
+        return _blockwise.call(Softmax, x, y, targets, scale, 0.0, block_size, score=MaxSim)
+    logits = scale * MaxSim.raw(x, y, scale.dtype)[0]
     positive = jnp.arange(len(y.tokens)) == targets[:, None]
     return jax.nn.logsumexp(logits, axis=1) - jnp.sum(jnp.where(positive, logits, 0), axis=1)
 

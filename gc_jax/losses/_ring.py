@@ -1,7 +1,8 @@
 """The ring across devices: the one schedule every ring loss runs, and the row-wise losses.
 
 :func:`around` (forward) and :func:`around_back` (backward) are the schedule;
-``_maxsim_ring`` and ``_ring_families`` run it too, with their own visits.
+``_ring_families`` runs it too, with its own visit. :func:`rows` serves every score
+(``_scores``): the dot product's blocks travel as arrays, MaxSim's as tokens and masks.
 
 Nothing batch-sized is gathered.
 
@@ -43,7 +44,9 @@ import jax.numpy as jnp
 
 from gc_jax._base import AxisName
 from gc_jax.losses import _blockwise, _tiles
+from gc_jax.losses._blockwise import Form
 from gc_jax.losses._order import after
+from gc_jax.losses._scores import Dot, Score
 from gc_jax.losses._strategies import Strategy
 
 Scalar = jax.Array
@@ -115,49 +118,64 @@ def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: Axi
     return shift(acc, axis_name), state
 
 
-def _forward(kind, block, axis_name, x, ys, targets, scale, bias):
-    """Per-row losses and statistics of this device's ``x`` against every device's ``ys``."""
+def _forward(form: Form, axis_name, x, ys, targets, scale, bias, meta):
+    """Per-row losses and statistics of this device's ``x`` against every device's ``ys``.
+
+    ``meta``: ``(rows_meta, cols_meta)`` of ``form.rule`` (or None); the columns' travel
+    with their block of ``ys``."""
+    rows_meta, cols_meta = meta or (None, None)
 
     def visit(here, carry, own):  # another device's block holds no row's target
-        return _blockwise.sweep(kind, block, x, here, targets if own else None, scale, bias, carry)
+        ys, cm = here
+        t, mask = targets if own else None, form.mask((rows_meta, cm))
+        return _blockwise.sweep(
+            form.kind, form.block, x, ys, t, scale, bias, carry, mask, score=form.score
+        )
 
-    carry = _blockwise.init(kind, x, ys, dtype=scale.dtype)
-    return kind.finish(around(visit, ys, carry, axis_name))
+    carry = _blockwise.init(form.kind, x, ys, dtype=scale.dtype)
+    return form.kind.finish(around(visit, (ys, cols_meta), carry, axis_name))
 
 
-def _backward(kind, block, axis_name, x, ys, targets, scale, bias, stat, g):
-    """Cotangents of ``x, ys, scale, bias``; ``dys`` comes home after the full circle."""
-    acc = scale.dtype
+def _backward(form: Form, axis_name, x, ys, targets, scale, bias, meta, stat, g):
+    """Cotangents of ``x, ys, scale, bias``; ``dys`` comes home after the full circle.
+
+    The block of ``ys`` travels whole (for MaxSim: tokens and mask) with its columns'
+    metadata; its gradient is that of ``form.score.leaf``."""
+    acc, score = scale.dtype, form.score
+    rows_meta, cols_meta = meta or (None, None)
 
     def visit(here, behind, grads, own):
-        dx, dys, dscale, dbias = _blockwise.backward(
-            kind, block, x, here, targets if own else None, scale, bias, stat, g
-        )
+        ys, cm = here
+        t, mask = targets if own else None, form.mask((rows_meta, cm))
+        args = (form.kind, form.block, x, ys, t, scale, bias, stat, g, mask)
+        dx, dys, dscale, dbias = _blockwise.backward(*args, score=score)
         dys, new = dys.astype(acc), (dx.astype(acc), dscale, dbias)
         if behind is None:  # step 0
             return dys, new
         return behind + dys, tuple(u + v for u, v in zip(grads, new, strict=True))
 
-    dys, (dx, dscale, dbias) = around_back(visit, ys, None, None, axis_name)
+    dys, (dx, dscale, dbias) = around_back(visit, (ys, cols_meta), None, None, axis_name)
     dx, dscale, dbias = after((dx, dscale, dbias), dys)  # every ppermute before the psum
-    return dx.astype(x.dtype), dys.astype(ys.dtype), dscale, dbias
+    dx = dx.astype(score.leaf(x).dtype)
+    return dx, dys.astype(score.leaf(ys).dtype), dscale, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _rowwise(kind, block, axis_name, x, ys, targets, scale, bias):
-    return _forward(kind, block, axis_name, x, ys, targets, scale, bias)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rowwise(form, axis_name, x, ys, targets, scale, bias, meta):
+    return _forward(form, axis_name, x, ys, targets, scale, bias, meta)[0]
 
 
-def _rowwise_fwd(kind, block, axis_name, x, ys, targets, scale, bias):
-    loss, stat = _forward(kind, block, axis_name, x, ys, targets, scale, bias)
-    return loss, (x, ys, targets, scale, bias, stat)
+def _rowwise_fwd(form, axis_name, x, ys, targets, scale, bias, meta):
+    loss, stat = _forward(form, axis_name, x, ys, targets, scale, bias, meta)
+    return loss, (x, ys, targets, scale, bias, meta, stat)
 
 
-def _rowwise_bwd(kind, block, axis_name, res, g):
-    x, ys, targets, scale, bias, stat = res
-    grads = _backward(kind, block, axis_name, x, ys, targets, scale, bias, stat, g)
+def _rowwise_bwd(form, axis_name, res, g):
+    x, ys, targets, scale, bias, meta, stat = res
+    grads = _backward(form, axis_name, x, ys, targets, scale, bias, meta, stat, g)
     dx, dys, dscale, dbias = grads
-    return dx, dys, None, dscale, dbias
+    cotangent, none = _blockwise.cotangent, jax.tree.map(lambda _: None, meta)
+    return cotangent(form.score, x, dx), cotangent(form.score, ys, dys), None, dscale, dbias, none
 
 
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
@@ -165,31 +183,40 @@ _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 def rows(
     kind: Strategy,
-    x: jax.Array,
-    ys: jax.Array,
+    x: Any,
+    ys: Any,
     targets: jax.Array,
     scale: float | jax.Array,
     bias: float | jax.Array,
     block_size: int,
     axis_name: AxisName,
+    *,
+    score: Score = Dot,
+    mask: tuple | None = None,
 ) -> jax.Array:
     """Per-row losses of this device's ``x`` against the ``ys`` of every device on the ring.
 
     Args:
       kind: the row-wise loss (``_strategies.Softmax`` or ``_strategies.Sigmoid``).
-      x: this device's queries, ``[n, d]``.
+      x: this device's queries, ``[n, d]`` (or rows of ``score``).
       ys: this device's candidates, ``[m, d]`` (the same ``m`` on every device).
       targets: the index into *this device's* ``ys`` of each query's positive.
       scale: logit multiplier (scalar, differentiable).
       bias: added to every logit (scalar, differentiable).
       block_size: rows per tile on either side, within a device.
       axis_name: the ``shard_map``/``pmap`` axis (or tuple of axes) of the ring.
+      score: how a tile is scored (``_scores.Dot`` or ``_scores.MaxSim``).
+      mask: ``(rule, rows_meta, cols_meta)`` (``_masks``), this device's rows' and
+        columns' metadata (the columns' travel with ``ys``), or None: every pair.
 
     Returns:
       The per-query losses, ``[n]``. Differentiates like this device's rows' losses
       (``ys``'s gradient sums every device's contribution, as an all-gather's would).
     """
-    acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
+    acc = _blockwise.accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
     scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
-    return _rowwise(kind, block_size, axis_name, x, ys, targets, scale, bias)
+    rule, *meta = mask or (None, None, None)
+    form = _blockwise.Form(kind, score, block_size, rule)
+    meta = None if rule is None else tuple(meta)
+    return _rowwise(form, axis_name, x, ys, targets, scale, bias, meta)

@@ -13,28 +13,36 @@ import jax.numpy as jnp
 
 from gc_jax import _narrow
 from gc_jax.losses import _tiles
+from gc_jax.losses._scores import Dot
 from gc_jax.losses._tiles import (
     Firsts,
     around,
     blocks,
+    count,
     first,
+    logits,
     loop,
     read,
     read_tree,
     rows_in,
     sizes,
-    tile,
     update,
     write,
 )
 
 
 class Sweeps:
-    """The two sweeps of ``_blockwise.backward`` over one loss's tiles."""
+    """The two sweeps of ``_blockwise.backward`` over one loss's tiles.
 
-    def __init__(self, kind, block, x, ys, targets, scale, bias, stat, g, mask):
+    ``score`` (``_scores``) scores a tile and sends its ``dz`` back to the rows: the
+    gradients are those of ``score.leaf(x)`` and ``score.leaf(ys)``, the buffers
+    shaped like them.
+    """
+
+    def __init__(self, kind, block, x, ys, targets, scale, bias, stat, g, mask, score=Dot):
         self.kind, self.x, self.ys, self.scale, self.bias = kind, x, ys, scale, bias
-        (self.bq, self.bk), self.n, self.m = sizes(block, x, ys), len(x), len(ys)
+        self.score, self.n, self.m = score, count(x), count(ys)
+        self.bq, self.bk = sizes(block, self.n, self.m)
         self.rule, rows_meta, self.cols_meta = mask or (None, None, None)
         self.rows = (x, targets, stat, g, rows_meta)
 
@@ -43,14 +51,16 @@ class Sweeps:
         return read_tree(rows, qs, self.bq), _tiles.own_rows(qs, self.bq, i * self.bq), qs
 
     def tile_grad(self, row, qs, yk, ks, own, cm):
-        """A tile's raw scores and ``dz``: a block of queries against keys from ``ks``."""
+        """A tile's raw scores, what its score keeps for the gradients, and ``dz``: a
+        block of queries against keys from ``ks``."""
         xq, tq, sq, gq, rm = row
         keep = boost = None
         if self.rule is not None:
             keep = self.rule.keep(rm, cm, *self.positions(qs, ks))
             boost = self.rule.boost(rm, cm, *self.positions(qs, ks))
-        raw, z, valid, pos = tile(xq, yk, tq, ks, own, self.scale, self.bias, keep, boost)
-        return raw, gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
+        raw, scored = self.score.raw(xq, yk, self.scale.dtype)
+        z, valid, pos = logits(raw, tq, ks, own, self.scale, self.bias, keep, boost)
+        return raw, scored, gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
 
     def positions(self, qs, ks):
         return qs + jnp.arange(self.bq), ks + jnp.arange(self.bk)
@@ -71,9 +81,10 @@ class Sweeps:
             def step(j, carry, ys, cols_meta):
                 dxq, dscale, dbias, *context = carry
                 ks = first(j, bk, m)
-                yk = read(ys, ks, bk)
-                raw, dz = self.tile_grad(row, qs, yk, ks, j * bk, read_tree(cols_meta, ks, bk))
-                grad = jnp.matmul(dz, yk, preferred_element_type=acc)
+                yk = read_tree(ys, ks, bk)
+                cm = read_tree(cols_meta, ks, bk)
+                raw, scored, dz = self.tile_grad(row, qs, yk, ks, j * bk, cm)
+                grad = self.score.dx(scored, row[0], yk, dz, acc)
                 # Adding: rows of the previous block hold their share already.
                 dxq = dxq + (jnp.where(own, scale * grad, 0) if add else grad)
                 dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
@@ -89,14 +100,14 @@ class Sweeps:
                 context = around(dx, qs, bq)
                 init = (rows_in(dx, context).astype(acc), *scalars, context)
             else:
-                init = (_tiles.zeros(row[0], acc, self.x, ys), *scalars)
+                init = (_tiles.zeros(self.score.leaf(row[0]), acc, self.x, ys), *scalars)
             dxq, *scalars = loop(step, blocks(m, bk), init, ys, cols_meta)
             if not add:
                 return write(dx, (scale * dxq).astype(dx.dtype), qs), *scalars
             *scalars, context = scalars
             return update(dx, dxq.astype(dx.dtype), qs, context), *scalars
 
-        zero = _tiles.zeros(self.ys[0, 0], acc, self.x, self.ys)
+        zero = _tiles.scalar_zero(self.ys, acc, self.x)
         nq = blocks(self.n, bq)
         return loop(query_block, nq, (dx, zero, zero), self.ys, self.cols_meta, *self.rows)
 
@@ -110,35 +121,39 @@ class Sweeps:
 
         def step(i, dyk, *rows):
             row, own, qs = self.read_rows(rows, i)
-            _, dz = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
-            grad = jnp.matmul(jnp.where(own, dz, 0).T, row[0], preferred_element_type=acc)
+            _, scored, dz = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
+            grad = self.score.dy(scored, row[0], yk, jnp.where(own, dz, 0), acc)
             return dyk + (scale * grad if adding else grad)
 
         if adding:
             return loop(step, blocks(self.n, self.bq), init, *rows)
-        init = _tiles.zeros(yk, acc, self.x, self.ys)
+        init = _tiles.zeros(self.score.leaf(yk), acc, self.x, self.ys)
         return scale * loop(step, blocks(self.n, self.bq), init, *rows)
 
     def key_sweep(self, dy, zero, add):
         """``dy`` with each key block's gradient written over ``ys``'s rows (or added).
 
-        Written over: each block of ``ys`` is read from ``dy`` just before it is
-        overwritten, and ``ys`` itself is not read (so its buffer can become ``dy``'s).
+        Written over: each block of ``ys``'s differentiated leaf is read from ``dy`` just
+        before it is overwritten, and that leaf itself is not read (so its buffer can
+        become ``dy``'s).
         """
-        bk, m, acc = self.bk, self.m, self.scale.dtype
-        ys = self.ys if add else None
+        bk, m, acc, score = self.bk, self.m, self.scale.dtype, self.score
+        leaf, rest = score.leaf(self.ys) if add else None, score.rest(self.ys)
 
-        def key_block(j, dy, zero, ys, cols_meta, *rows):
+        def keys(dy, leaf, rest, start):
+            rows = read(dy if leaf is None else leaf, start, bk)
+            return score.join(rows, read_tree(rest, start, bk))
+
+        def key_block(j, dy, zero, leaf, rest, cols_meta, *rows):
             j = j + zero  # ``zero`` is 0 and orders this sweep after the first
-            yk = read(dy if ys is None else ys, j * bk, bk)
             init = read(dy, j * bk, bk).astype(acc) if add else None
-            dyk = self.key_grad(j, yk, cols_meta, rows, init)
+            dyk = self.key_grad(j, keys(dy, leaf, rest, j * bk), cols_meta, rows, init)
             return write(dy, dyk.astype(dy.dtype), j * bk)
 
-        dy = loop(key_block, m // bk, dy, zero, ys, self.cols_meta, *self.rows)
+        dy = loop(key_block, m // bk, dy, zero, leaf, rest, self.cols_meta, *self.rows)
         if m % bk:  # the last block overlaps the one before: only its own rows are written
             own = m % bk
-            yk = read(dy if ys is None else ys, m - bk, bk)
+            yk = keys(dy, leaf, rest, m - bk)
             last = self.key_grad(blocks(m, bk) - 1, yk, self.cols_meta, self.rows)[bk - own :]
             if add:
                 last = last + read(dy, m - own, own).astype(acc)

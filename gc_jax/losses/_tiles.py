@@ -1,4 +1,4 @@
-"""The pieces the tile loops share: reading and writing blocks of rows, loops, one tile.
+"""The pieces the tile loops share: reading and writing blocks of rows, loops, logits.
 
 Rows are read and written a block at a time (``dynamic_slice``), so the loops touch
 one block of each batch-sized array per step. :class:`Firsts` reads rows ``0, k, 2k,
@@ -194,9 +194,8 @@ def first(i: jax.Array, size: int, rows: int) -> jax.Array:
     return jnp.minimum(i * size, rows - size)
 
 
-def tile(
-    xq: jax.Array,
-    yk: jax.Array,
+def logits(
+    raw: jax.Array,
     targets: jax.Array | None,
     start: jax.Array,
     own: jax.Array,
@@ -204,28 +203,27 @@ def tile(
     bias: Scalar,
     keep: jax.Array | None = None,
     boost: tuple[jax.Array, Scalar] | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One tile: raw scores ``xq @ yk.T`` (in ``scale``'s dtype), logits, valid, targets.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One tile's logits, valid pairs and targets, from its raw scores (``_scores``).
 
-    ``yk`` holds rows ``start ...`` of ``ys``; columns before ``own`` belong to the
-    previous block and are masked out (``valid`` false, never a target). ``keep``
+    ``raw`` scores rows against key rows ``start ...``; columns before ``own`` belong to
+    the previous block and are masked out (``valid`` false, never a target). ``keep``
     (``[rows, cols]``, from a mask rule) drops more pairs; it never drops a target.
     ``targets`` None: no column is any row's target. ``boost``: ``(pairs, alpha)``
     (``Rule.boost``), pairs whose logits gain ``alpha * raw``, a bias that is not
     differentiated (``dz`` reaches ``raw`` through ``scale`` alone).
     """
-    raw = jnp.matmul(xq, yk.T, preferred_element_type=scale.dtype)
     z = scale * raw + bias
     if boost is not None:
         pairs, alpha = boost
         z = z + jnp.where(pairs, alpha * jax.lax.stop_gradient(raw), 0)
-    cols = start + jnp.arange(yk.shape[0])
+    cols = start + jnp.arange(raw.shape[1])
     valid = (cols >= own)[None, :]
     if keep is not None:
         valid = valid & keep
     no_target = targets is None
     pos = jnp.zeros_like(valid) if no_target else valid & (cols[None, :] == targets[:, None])
-    return raw, z, valid, pos
+    return z, valid, pos
 
 
 def own_rows(start: jax.Array, size: int, own: jax.Array) -> jax.Array:
@@ -233,9 +231,14 @@ def own_rows(start: jax.Array, size: int, own: jax.Array) -> jax.Array:
     return (start + jnp.arange(size) >= own)[:, None]
 
 
-def sizes(block: int, x: Any, ys: Any) -> tuple[int, int]:
+def count(rows: Any) -> int:
+    """How many rows ``rows`` (an array, a view, or a pytree of per-row leaves) holds."""
+    return jax.tree.leaves(rows, is_leaf=_is_view)[0].shape[0]
+
+
+def sizes(block: int, n: int, m: int) -> tuple[int, int]:
     """Rows per block on either side: ``block``, or fewer when a side is shorter."""
-    return min(block, x.shape[0]), min(block, ys.shape[0])
+    return min(block, n), min(block, m)
 
 
 def varying_like(tree: Any, *others: Any) -> Any:
@@ -253,7 +256,17 @@ def zeros(like: jax.Array, dtype: Any, *others: Any) -> jax.Array:
     return varying_like(jnp.zeros_like(like, dtype), *others)
 
 
-def row_zeros(x: jax.Array | Firsts, dtype: Any, *others: Any) -> jax.Array:
-    """``[rows]`` zeros for the rows of ``x``, typed like them, varying like ``others``."""
-    column = x.array[:: x.k, 0] if isinstance(x, Firsts) else x[:, 0]
+def scalar_zero(rows: Any, dtype: Any, *others: Any) -> jax.Array:
+    """A zero scalar typed like ``rows``' first element, varying like ``rows`` and ``others``."""
+    v = jax.tree.leaves(rows, is_leaf=_is_view)[0]
+    v = v.array if isinstance(v, Firsts) else v
+    return zeros(v[(0,) * v.ndim], dtype, rows, *others)
+
+
+def row_zeros(x: Any, dtype: Any, *others: Any) -> jax.Array:
+    """``[rows]`` zeros for the rows of ``x`` (a pytree of them), typed like them, varying
+    like ``others``."""
+    v = jax.tree.leaves(x, is_leaf=_is_view)[0]
+    column = v.array[:: v.k] if isinstance(v, Firsts) else v
+    column = column[(slice(None),) + (0,) * (column.ndim - 1)]
     return zeros(column, dtype, x, *others)
