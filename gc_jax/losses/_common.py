@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _ring, _strategies
+from gc_jax.losses import _blockwise, _masks, _ring, _strategies, _tiles
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -112,8 +112,7 @@ def _gather(v: jax.Array, axis_name: AxisName | None) -> jax.Array:
 
 def _targets(rows: int, k: int, axis_name: AxisName | None) -> jax.Array:
     """Index into the gathered other side of each local row's positive (``k`` per query)."""
-    offset = 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
-    return (offset + jnp.arange(rows)) * k
+    return (_offset(rows, axis_name) + jnp.arange(rows)) * k
 
 
 def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> jax.Array:
@@ -138,26 +137,72 @@ def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
     return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
 
 
-def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring) -> jax.Array:
-    """Per-row losses of this device's ``x`` against every device's ``y``, ring or gathered."""
+def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring, ids=None) -> jax.Array:
+    """Per-row losses of this device's ``x`` against every device's ``y``, ring or gathered.
+
+    ``ids``: ``{"qid": query ids or None, "pid": document ids or None}`` (``[rows, w]``,
+    split like ``x`` and ``y``): a pair whose ids match, other than a row's positive, is
+    dropped (``_masks.Rule``)."""
     n = x.shape[0]
+    ids = {key: v for key, v in (ids or {}).items() if v is not None}
     if ring:
         block = block_size or max(n, y.shape[0])  # dense: one tile per travelling block
-        return _ring.rows(kind, x, y, jnp.arange(n) * k, scale, bias, block, axis_name)
+        mask = _id_mask(ids, k, _offset(n, axis_name), lambda v: v)
+        targets = jnp.arange(n) * k
+        return _ring.rows(kind, x, y, targets, scale, bias, block, axis_name, mask=mask)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
+    whole = lambda v: _layout.reshard_typed(v, P())
+    cols = (lambda v: _gather(v, axis_name)) if axis_name is not None else whole
+    rows_ids = ids if axis_name is not None else {key: whole(v) for key, v in ids.items()}
+    mask = _id_mask(rows_ids, k, _offset(n, axis_name), cols, col_offset=0)
     x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
-        return _blockwise.call(kind, x, ys, targets, scale, bias, block_size)
+        return _blockwise.call(kind, x, ys, targets, scale, bias, block_size, mask=mask)
     logits = _logits(x, ys, scale, bias)
     positive = jnp.arange(ys.shape[0]) == targets[:, None]
+    keep = None if mask is None else _dense_keep(mask, n, ys.shape[0])
     if kind is _strategies.Softmax:
         # Not optax's integer-label cross-entropy: its per-row gather transposes to a
         # scatter whose sharding JAX 0.12 cannot infer under explicit mesh axes.
         pos = jnp.sum(jnp.where(positive, logits, 0), axis=1)
+        logits = logits if keep is None else jnp.where(keep, logits, -jnp.inf)
         return jax.nn.logsumexp(logits, axis=1) - pos
     labels = jnp.where(positive, 1.0, -1.0).astype(logits.dtype)
-    return -jnp.sum(jax.nn.log_sigmoid(labels * logits), axis=1)
+    terms = -jax.nn.log_sigmoid(labels * logits)
+    return jnp.sum(terms if keep is None else jnp.where(keep, terms, 0), axis=1)
+
+
+def _offset(rows: int, axis_name: AxisName | None) -> Any:
+    """The global index of this device's first row (0 without ``axis_name``)."""
+    return 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
+
+
+def _id_mask(ids: dict, k: int, offset: Any, cols: Callable, col_offset: Any = None):
+    """``(rule, rows_meta, cols_meta)`` dropping pairs whose ids match, or None.
+
+    ``cols`` makes the columns' ids from this device's (a gather, or nothing on the
+    ring, where they travel); ``col_offset``: the global index of their first query
+    (default: this device's, ``offset``)."""
+    if not ids:
+        return None
+    col_offset = offset if col_offset is None else col_offset
+    rule = _masks.Rule(protect="first", docs=True, k=k)
+    rows_meta, cols_meta = {"offset": offset}, {"offset": col_offset * k}
+    if "pid" in ids:
+        rows_meta["pid"] = _tiles.Firsts(ids["pid"], k) if k > 1 else ids["pid"]
+        cols_meta["pid"] = cols(ids["pid"])
+    if "qid" in ids:
+        rows_meta["qid"] = ids["qid"]
+        cols_meta["qid"] = _tiles.Repeated(cols(ids["qid"]), k) if k > 1 else cols(ids["qid"])
+    return rule, rows_meta, cols_meta
+
+
+def _dense_keep(mask: tuple, n: int, m: int) -> jax.Array:
+    """The dense form's ``[n, m]`` pairs kept by ``mask``, views copied out whole."""
+    rule, rows_meta, cols_meta = mask
+    rows_meta, cols_meta = _tiles.dense(rows_meta), _tiles.dense(cols_meta)
+    return rule.keep(rows_meta, cols_meta, jnp.arange(n), jnp.arange(m))
 
 
 def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _strategies
+from gc_jax.losses import _common, _docs, _options, _strategies
 
 
 @_docs.shared_docs
@@ -16,6 +16,8 @@ def sigmoid_loss(
     logit_scale: float | jax.Array,
     logit_bias: float | jax.Array,
     *,
+    query_ids: jax.Array | None = None,
+    doc_ids: jax.Array | None = None,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -32,11 +34,19 @@ def sigmoid_loss(
     the sum running over every row of ``y``, across devices. As in SigLIP,
     ``reduction="mean"`` divides the sum over pairs by the number of rows (not pairs).
 
+    With ids, a pair ``(i, j)``, ``j != i``, whose ``x`` rows share an id (the same
+    image twice) or whose ``y`` rows do (the same caption twice) is a false negative: it
+    is dropped from the sum, in every form (dense, blockwise, ring), as
+    :func:`contrastive_loss` drops it from the softmax.
+
     Args:
       x: one modality, ``[n, d]``.
       y: the other modality, ``[n, d]``; row ``i`` pairs with ``x[i]``.
       logit_scale: log of the logit multiplier (SigLIP starts at ``log(10)``).
       logit_bias: added to every logit (SigLIP starts at ``-10``).
+      query_ids: an id per row of ``x``, ``[n]`` or ``[n, w]`` integers (e.g. an image
+        hash, or :func:`text_ids` of its tokens), split like ``x``; None: no ids.
+      doc_ids: an id per row of ``y``, likewise.
       {shared args}
 
     Returns:
@@ -51,15 +61,34 @@ def sigmoid_loss(
       >>> blockwise = sigmoid_loss(e, e, 0.0, -1.0, block_size=2)
       >>> bool(jnp.allclose(blockwise, sigmoid_loss(e, e, 0.0, -1.0)))
       True
+
+      Rows 0 and 2 of ``y`` are the same caption: the pairs (0, 2) and (2, 0) are not
+      counted as negatives.
+
+      >>> x, y = jnp.eye(3), jnp.eye(3)[jnp.array([0, 1, 0])]
+      >>> ids = jnp.array([7, 8, 7])
+      >>> z = 2.0 * x @ y.T - 1.0
+      >>> labels = 2 * jnp.eye(3) - 1
+      >>> keep = (ids[:, None] != ids[None, :]) | jnp.eye(3, dtype=bool)
+      >>> want = -jnp.where(keep, jax.nn.log_sigmoid(labels * z), 0).sum() / 3
+      >>> got = sigmoid_loss(x, y, jnp.log(2.0), -1.0, doc_ids=ids)
+      >>> bool(jnp.allclose(got, want))
+      True
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=False)
+    ids = {
+        "qid": _options.check_ids(query_ids, len(x), "query_ids", "x"),
+        "pid": _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
+    }
 
-    def local(x, y, logit_scale, logit_bias, *, axis_name, ring):
+    def local(x, y, logit_scale, logit_bias, *, axis_name, ring, extras=None):
         scale, kind = jnp.exp(logit_scale), _strategies.Sigmoid
-        per_row = _common.rows(kind, x, y, 1, scale, logit_bias, block_size, axis_name, ring)
+        args = (kind, x, y, 1, scale, logit_bias, block_size, axis_name, ring)
+        per_row = _common.rows(*args, ids=extras)
         num_rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, num_rows, reduction, axis_name)
 
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    return _common.run(local, x, y, (logit_scale, logit_bias), sides=(y,), **kw)
+    extras = ids if any(v is not None for v in ids.values()) else None
+    return _common.run(local, x, y, (logit_scale, logit_bias), sides=(y,), extras=extras, **kw)
