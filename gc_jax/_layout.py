@@ -16,7 +16,7 @@ import contextvars
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,9 @@ def varying_axes_of(tree: PyTree) -> tuple:
     return tuple(sorted(axes, key=str))
 
 
+LayoutKind = Literal["single", "manual", "explicit", "auto"]
+
+
 class Layout(NamedTuple):
     """How a batch's rows lie across devices: decided here, once, and asked everywhere else.
 
@@ -54,7 +57,7 @@ class Layout(NamedTuple):
       shards: how many ways the rows are split.
     """
 
-    kind: str = "single"
+    kind: LayoutKind = "single"
     axes: Any = None
     mesh: Any = None
     shards: int = 1

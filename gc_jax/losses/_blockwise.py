@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax.losses import _strategies, _sweeps, _tiles
+from gc_jax.losses._masks import Mask
 from gc_jax.losses._order import zero_after
 from gc_jax.losses._scores import Dot, Score
 from gc_jax.losses._strategies import Rows, Strategy
@@ -54,8 +55,6 @@ from gc_jax.losses._tiles import (
     sizes,
     write,
 )
-
-Mask = tuple  # (rule, rows_meta, cols_meta): see ``_masks``
 
 Scalar = jax.Array
 
@@ -132,8 +131,8 @@ class Form(NamedTuple):
     rule: Any = None
 
     def mask(self, meta: tuple | None) -> Mask | None:
-        """``(rule, rows_meta, cols_meta)`` from ``meta = (rows_meta, cols_meta)``."""
-        return None if self.rule is None else (self.rule, *meta)
+        """The :class:`Mask` of ``meta = (rows_meta, cols_meta)`` (None without a rule)."""
+        return None if self.rule is None else Mask(self.rule, *meta)
 
 
 def _forward(form: Form, x, ys, targets, scale, bias, meta) -> tuple[jax.Array, jax.Array]:

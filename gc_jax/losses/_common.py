@@ -195,7 +195,7 @@ def _id_mask(ids: dict, k: int, offset: Any, cols: Callable, col_offset: Any = N
     if "qid" in ids:
         rows_meta["qid"] = ids["qid"]
         cols_meta["qid"] = _tiles.Repeated(cols(ids["qid"]), k) if k > 1 else cols(ids["qid"])
-    return rule, rows_meta, cols_meta
+    return _masks.Mask(rule, rows_meta, cols_meta)
 
 
 def _dense_keep(mask: tuple, n: int, m: int) -> jax.Array:

@@ -15,7 +15,6 @@ from gc_jax.losses import (
     _families,
     _options,
     _ring_families,
-    _strategies,
 )
 
 
@@ -220,16 +219,6 @@ def contrastive_loss(
         _options.check_hardness(hardness_mode, hardness_strength),
     )
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    if options.plain:
-
-        def local(x, y, temperature, *, axis_name, ring):
-            kind, scale = _strategies.Softmax, 1.0 / temperature
-            per_row = _common.rows(kind, x, y, k, scale, 0.0, block_size, axis_name, ring)
-            rows = len(x) * _common.num_devices(axis_name)
-            return _common.reduce(per_row, rows, reduction, axis_name)
-
-        return _common.run(local, x, y, (temperature,), sides=(y,), **kw)
-
     return with_options(x, y, k, options, temperature, block_size=block_size, **kw)
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax.losses import _blockwise, _tiles
-from gc_jax.losses._masks import Rule
+from gc_jax.losses._masks import Mask, Rule
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
 
@@ -68,9 +68,8 @@ def _cols_key(fam: Family, sides: dict) -> str:
     return gathered if sides.get(gathered) is not None else fam.cols
 
 
-def _mask(fam: Family, meta: dict) -> tuple | None:
-    rows, cols = meta["rows"][fam.rows], meta["cols"][fam.cols]
-    return (fam.rule, rows, cols)
+def _mask(fam: Family, meta: dict) -> Mask:
+    return Mask(fam.rule, meta["rows"][fam.rows], meta["cols"][fam.cols])
 
 
 def _targets(fam: Family, meta: dict) -> jax.Array | None:

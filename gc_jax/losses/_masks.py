@@ -105,3 +105,12 @@ class Rule(NamedTuple):
             # scores, which then stay live beside the logits (a fourth float tile).
             drop = jax.lax.optimization_barrier(_or(drop, scores > bar[:, None]))
         return drop
+
+
+class Mask(NamedTuple):
+    """The pairs a loss keeps: a :class:`Rule` and the metadata of its rows and columns
+    (dicts of per-row arrays or views, and scalars; see the module docstring)."""
+
+    rule: Rule
+    rows: dict
+    cols: dict

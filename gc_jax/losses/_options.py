@@ -1,4 +1,4 @@
-"""The options of :func:`contrastive_loss` beyond plain InfoNCE: checked, then as families.
+"""The options of :func:`contrastive_loss`: checked, then as families (plain InfoNCE is one).
 
 ``directions`` and ``partition_mode`` (as sentence-transformers' 6.2
 ``MultipleNegativesRankingLoss`` names them), false-negative ids (``query_ids``,
@@ -45,13 +45,6 @@ class Options(NamedTuple):
         return self._replace(
             query_ids=apply(self.query_ids), doc_ids=apply(self.doc_ids), guide=apply(self.guide)
         )
-
-    @property
-    def plain(self) -> bool:
-        """Whether this is plain InfoNCE (the original forms, unchanged)."""
-        none = self.query_ids is None and self.doc_ids is None and self.guide is None
-        plain = none and self.hardness_mode is None
-        return plain and self.directions == ("query_to_doc",)
 
 
 def check_directions(directions: Any, partition_mode: Any) -> tuple[str, ...]:
