@@ -62,9 +62,11 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 """
 
 # The public losses, one per line (optax style); the forms they share are private.
-from gc_jax.losses._bank import Bank
-from gc_jax.losses._bank import init_bank
-from gc_jax.losses._bank import update_bank
+from gc_jax.losses._bank import (
+    Bank,
+    init_bank,
+    update_bank,
+)
 from gc_jax.losses._clip import clip_loss
 from gc_jax.losses._contrastive import contrastive_loss
 from gc_jax.losses._distillation import embedding_distillation

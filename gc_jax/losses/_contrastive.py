@@ -8,7 +8,6 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses._bank import Bank
 from gc_jax.losses import (
     _bank,
     _blockwise,
@@ -19,6 +18,7 @@ from gc_jax.losses import (
     _ring_families,
     _strategies,
 )
+from gc_jax.losses._bank import Bank
 
 
 @_docs.shared_docs
