@@ -254,8 +254,9 @@ def test_make_train_step_with_the_bank_as_aux(method):
         return state, metrics["aux"]
 
     mesh = _mesh()
-    state, bank = (params, opt.init(params)), _sharded(mesh, init_bank(STEPS, batches[0, 0],
-                                                                       batches[0, 1]))  # fmt: skip
+    reps = jax.ShapeDtypeStruct((D * N, 5), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    state, bank = (params, opt.init(params)), init_bank(STEPS, reps, reps)  # split like reps
+    assert bank.queries.sharding.spec == P("d") and bank.count.sharding.spec == P()
     want_p, want_bank = params, init_bank(STEPS, batches[0, 0], batches[0, 1])
     for q, d in batches:
         state, bank = train(state, bank, *_put(mesh, (q, d)))

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
@@ -78,6 +80,17 @@ def _ids_like(ids: Any, rows: int, steps: int, name: str, k: int | None = None):
     return jnp.zeros(groups, dtype)
 
 
+def _placement(v: Any) -> tuple[Any, Any]:
+    """Where the bank's rows and its count go: split like ``v``'s rows (a placed array or
+    a ``ShapeDtypeStruct`` with a ``NamedSharding``) and replicated; else (None, None)."""
+    if isinstance(v, jax.core.Tracer):
+        return None, None
+    s = getattr(v, "sharding", None)
+    if not isinstance(s, NamedSharding) or not s.spec or s.spec[0] is None:
+        return None, None
+    return NamedSharding(s.mesh, P(s.spec[0])), NamedSharding(s.mesh, P())
+
+
 def init_bank(
     steps: int,
     queries: Any,
@@ -101,8 +114,10 @@ def init_bank(
       dtype: the bank's float dtype (default: the queries'). ``bfloat16`` halves it.
 
     Returns:
-      A :class:`Bank` of zeros with ``count = 0`` (every slot empty). Under a mesh,
-      place its arrays like the batch (rows first: ``P("data")``), ``count`` replicated.
+      A :class:`Bank` of zeros with ``count = 0`` (every slot empty). When ``queries``
+      is split across devices (an array, or a ``ShapeDtypeStruct`` with a
+      ``NamedSharding``), the bank's arrays are split like its rows and ``count`` is
+      replicated; else place them so yourself (rows first: ``P("data")``).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -120,13 +135,18 @@ def init_bank(
             f"docs must be [n * k, d] for queries [n, d], got queries {(n, d)} and docs {(m, e)}."
         )
     k, dtype = m // n, qdtype if dtype is None else dtype
-    return Bank(
+    bank = Bank(
         jnp.zeros((n, steps, d), dtype),
         jnp.zeros((n, steps, k, d), dtype),
         _ids_like(query_ids, n, steps, "query_ids"),
         _ids_like(doc_ids, m, steps, "doc_ids", k),
         jnp.zeros((), jnp.int32),
     )
+    rows, replicated = _placement(queries)
+    if rows is None:
+        return bank
+    placed = jax.device_put(bank._replace(count=None), rows)
+    return placed._replace(count=jax.device_put(bank.count, replicated))
 
 
 def update_bank(
@@ -155,6 +175,8 @@ def update_bank(
 
     Examples:
       >>> import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
       >>> from gc_jax.losses import init_bank, update_bank
       >>> q, d = jnp.ones((2, 3)), jnp.ones((2, 3))
       >>> bank = update_bank(update_bank(init_bank(2, q, d), q, d), 2 * q, 2 * d)
