@@ -175,8 +175,6 @@ def update_bank(
 
     Examples:
       >>> import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
       >>> from gc_jax.losses import init_bank, update_bank
       >>> q, d = jnp.ones((2, 3)), jnp.ones((2, 3))
       >>> bank = update_bank(update_bank(init_bank(2, q, d), q, d), 2 * q, 2 * d)
