@@ -184,6 +184,20 @@ def test_sharded_jit_explicit_axes(method):
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+def test_the_cases_mask_bank_entries_by_ids_and_slots():
+    """The reference cases are not vacuous: ids drop some live bank entries, and a bank
+    written fewer times than it has slots has empty ones."""
+    _, y, bank, _, ids, _ = _case("gte_ids")
+    n, k = D * N, len(y) // (D * N)
+    flat = lambda v: np.asarray(v).reshape(-1, 2)
+    live = np.ones(n * STEPS, bool)
+    args = (flat(bank.query_ids), flat(bank.doc_ids), live)
+    masked = _bank_masks(n, k, GTE, flat(ids["query_ids"]), flat(ids["doc_ids"]), *args)
+    plain = _bank_masks(n, k, GTE, None, None, *args)
+    assert all(masked[d].sum() < plain[d].sum() for d in GTE)
+    assert int(_case("plain")[2].count) < STEPS < int(bank.count)
+
+
 def test_an_empty_bank_is_no_bank():
     x, y, _, static, ids, _ = _case("gte_ids")
     empty = init_bank(STEPS, x, y, query_ids=ids["query_ids"], doc_ids=ids["doc_ids"])
