@@ -114,11 +114,12 @@ def contrastive_loss(
         in ``query_to_doc`` only; or None.
       hardness_strength: ``alpha`` above, ``>= 0`` (EmbeddingGemma uses 5 with hard
         negatives; Lan et al. 2025 use 9 in batch).
-      bank: a :class:`Bank` of earlier steps' queries and documents (ContAccum, MoCo):
-        extra columns of every direction, without gradient (``doc``-columns get the
-        bank's documents, ``query``-columns its queries), masked by the ids like the
-        batch's (an entry with the id of ``p_i`` or ``x_i``), empty slots masked out;
-        split like ``x`` across devices. None: no bank. See :func:`init_bank`.
+      bank: a :class:`Bank` of earlier steps' queries and documents (ContAccum, MoCo),
+        extra negatives without gradient: ``query_to_doc`` and ``doc_to_doc`` also
+        sum over the bank's documents, ``query_to_query`` and ``doc_to_query`` over
+        its queries. The ids mask its entries as they mask the batch's (the bank then
+        holds ids); empty slots are masked out. Across devices, split like ``x``.
+        None: no bank. See :func:`init_bank` and :doc:`/recipes`.
       {shared args}
 
     Returns:
