@@ -65,6 +65,8 @@ PAGES = {
         "sparse: the step",
         "EmbeddingGemma: the loss",
         "EmbeddingGemma: the step",
+        "bank: the loss",
+        "bank: the step",
     ],
 }
 TESTED_ELSEWHERE = {
@@ -309,7 +311,7 @@ def test_recipes():
     moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, ns["sparse_params"])
     assert all(m > 1e-3 for m in jax.tree.leaves(moved)), moved
 
-    run("recipes.md", *PAGES["recipes.md"][3:], namespace=ns)
+    run("recipes.md", *PAGES["recipes.md"][3:5], namespace=ns)
     teacher = jax.device_get(ns["teacher"])
     loss = functools.partial(ns["gemma_loss"], teacher=teacher)
     q, d = jax.device_get((ns["inputs_q"], ns["inputs_d"]))
@@ -317,3 +319,21 @@ def test_recipes():
     chex.assert_trees_all_close(ns["gemma_metrics"]["loss"], want_loss, **TOL)
     got = jax.device_get(ns["gemma_state"].params)
     chex.assert_trees_all_close(got, adamw_step(ns["gemma_params"], want_grads), **TOL)
+    check_bank_recipe(run("recipes.md", *PAGES["recipes.md"][5:], namespace=ns))
+
+
+def check_bank_recipe(ns):
+    """The bank's two steps replayed over the whole batch: the first step's gradient with an
+    empty bank, the second step's loss with the first step's rows in it, the bank after."""
+    from gc_jax.losses import contrastive_loss, init_bank, update_bank
+
+    enc, (b1, b2) = ns["gemma_encode"], jax.device_get(ns["bank_batches"])
+    loss = lambda p, q, d, bank: contrastive_loss(q, d, temperature=0.05, bank=bank)
+    bank = init_bank(4, *(enc(ns["gemma_params"], v, None) for v in b1))
+    _, grads = full_value_and_grad(functools.partial(loss, bank=bank), enc, ns["gemma_params"], *b1)
+    params = adamw_step(ns["gemma_params"], grads)
+    bank = update_bank(bank, *(enc(ns["gemma_params"], v, None) for v in b1))
+    want_loss, _ = full_value_and_grad(functools.partial(loss, bank=bank), enc, params, *b2)
+    chex.assert_trees_all_close(ns["bank_metrics"]["loss"], want_loss, **TOL)
+    bank = update_bank(bank, *(enc(params, v, None) for v in b2))
+    chex.assert_trees_all_close(jax.device_get(ns["bank_state"].bank), bank, **TOL)

@@ -9,6 +9,8 @@
 * :func:`matryoshka`: any of these (or your own) summed over truncated widths of the
   representations, from one cache.
 * :func:`text_ids`: ids of texts from their tokens, for the false-negative masks.
+* :class:`Bank`, :func:`init_bank`, :func:`update_bank`: earlier steps' representations
+  as extra negatives of :func:`contrastive_loss` (ContAccum, MoCo), without gradient.
 
 *Across devices*, with ``axis_name`` (inside ``shard_map`` or ``pmap``), each device
 computes only its own rows' losses against every device's other side, and the loss
@@ -60,6 +62,11 @@ loss is float32 and the rows' gradients come back in the rows' own dtype. Scalar
 """
 
 # The public losses, one per line (optax style); the forms they share are private.
+from gc_jax.losses._bank import (
+    Bank,
+    init_bank,
+    update_bank,
+)
 from gc_jax.losses._clip import clip_loss
 from gc_jax.losses._contrastive import contrastive_loss
 from gc_jax.losses._distillation import embedding_distillation
@@ -78,11 +85,13 @@ from gc_jax.losses._sparse import (
 from gc_jax.losses._spread_out import spread_out_regularizer
 
 __all__ = [
+    "Bank",
     "clip_loss",
     "contrastive_loss",
     "embedding_distillation",
     "flops_regularizer",
     "gist_loss",
+    "init_bank",
     "l1_regularizer",
     "matryoshka",
     "maxsim_loss",
@@ -92,4 +101,5 @@ __all__ = [
     "splade_pool",
     "spread_out_regularizer",
     "text_ids",
+    "update_bank",
 ]

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
 from gc_jax.losses import (
+    _bank,
     _blockwise,
     _common,
     _docs,
@@ -16,6 +17,7 @@ from gc_jax.losses import (
     _options,
     _ring_families,
 )
+from gc_jax.losses._bank import Bank
 
 
 @_docs.shared_docs
@@ -34,6 +36,7 @@ def contrastive_loss(
     docs_per_query: int | None = None,
     hardness_mode: str | None = None,
     hardness_strength: float | jax.Array = 0.0,
+    bank: Bank | None = None,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -110,6 +113,12 @@ def contrastive_loss(
         in ``query_to_doc`` only; or None.
       hardness_strength: ``alpha`` above, ``>= 0`` (EmbeddingGemma uses 5 with hard
         negatives; Lan et al. 2025 use 9 in batch).
+      bank: a :class:`Bank` of earlier steps' queries and documents (ContAccum, MoCo),
+        extra negatives without gradient: ``query_to_doc`` and ``doc_to_doc`` also
+        sum over the bank's documents, ``query_to_query`` and ``doc_to_query`` over
+        its queries. The ids mask its entries as they mask the batch's (the bank then
+        holds ids); empty slots are masked out. Across devices, split like ``x``.
+        None: no bank. See :func:`init_bank` and :doc:`/recipes`.
       {shared args}
 
     Returns:
@@ -218,18 +227,28 @@ def contrastive_loss(
         hardness_mode,
         _options.check_hardness(hardness_mode, hardness_strength),
     )
+    bank = _bank.check_bank(bank, x, y, k, options)
+    count = None
+    if bank is not None:
+        options, count = options._replace(bank=bank._replace(count=None)), bank.count
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    return with_options(x, y, k, options, temperature, block_size=block_size, **kw)
+    return with_options(x, y, k, options, temperature, block_size=block_size, count=count, **kw)
 
 
-def with_options(x, y, k, options, temperature, *, reduction, block_size, method, axis_name):
-    """InfoNCE over the families of checked ``options`` (``_options.spec``), in any form."""
+def with_options(
+    x, y, k, options, temperature, *, reduction, block_size, method, axis_name, count=None
+):
+    """InfoNCE over the families of checked ``options`` (``_options.spec``), in any form.
+
+    ``count``: the bank's count (its slots filled), with ``options.bank``.
+    """
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     spec = _options.spec(options, k)
 
-    def local_options(x, y, temperature, margin, alpha, *, extras, axis_name, ring):
+    def local_options(x, y, temperature, margin, alpha, *count, extras, axis_name, ring):
         opts = options._replace(margin=margin, hardness_strength=alpha, **extras)
-        per_row = _rows(spec, opts, x, y, 1.0 / temperature, block_size, axis_name, ring)
+        scale, count = 1.0 / temperature, count[0] if count else None
+        per_row = _rows(spec, opts, x, y, scale, block_size, axis_name, ring, count)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
@@ -237,15 +256,19 @@ def with_options(x, y, k, options, temperature, *, reduction, block_size, method
     sides = (y, x) if any(f.cols == "x" for f in spec.families) else (y,)
     sides += () if options.guide is None else options.guide
     scalars = (temperature, options.margin, jnp.asarray(options.hardness_strength, float))
+    if options.bank is not None:
+        extras["bank"] = options.bank
+        sides += tuple(_bank.columns(options.bank).values())
+        scalars += (jax.lax.stop_gradient(count),)
     return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
 
 
-def _rows(spec, options, x, y, scale, block_size, axis_name, ring) -> jax.Array:
+def _rows(spec, options, x, y, scale, block_size, axis_name, ring, count) -> jax.Array:
     """Per-query losses with ``options``, in the dense, blockwise or ring form."""
     n = len(x)
     if ring:
         block = block_size or max(n, len(y))  # dense: one tile per travelling block
-        return _ring_families.rows(spec, options, x, y, scale, block, axis_name)
+        return _ring_families.rows(spec, options, x, y, scale, block, axis_name, count)
     acc = _blockwise.accumulation_dtype(x, y, scale)
     if axis_name is None:  # one device, or jit over a mesh: every array whole
         whole = lambda v: _layout.reshard_typed(v, P())
@@ -260,6 +283,10 @@ def _rows(spec, options, x, y, scale, block_size, axis_name, ring) -> jax.Array:
     meta = _options.metadata(options, spec, offset, 0, cols)
     meta["targets"] = _options.targets(spec, offset, n)
     sides = {"x": x, "y": y, **gathered}
+    if options.bank is not None:  # every device's bank (gathered or whole): from row 0
+        ids = (options.query_ids is not None, options.doc_ids is not None)
+        sides |= _bank.columns(cols.bank)
+        meta["cols"] |= _bank.metadata(cols.bank, 0, count, ids)
     if block_size is not None:
         return _families.blockwise(spec, block_size, sides, scale, meta)
     return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax.losses import _blockwise, _tiles
+from gc_jax.losses import _blockwise, _sweeps, _tiles
 from gc_jax.losses._masks import Mask, Rule
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
@@ -36,7 +36,8 @@ class Family(NamedTuple):
 
     Attributes:
       rows: ``"x"`` (queries) or ``"p"`` (each query's positive document).
-      cols: ``"x"`` (queries) or ``"y"`` (documents).
+      cols: ``"x"`` (queries) or ``"y"`` (documents); ``"bx"``, ``"by"``: a bank's
+        (``_bank``): constants, so only the rows' gradient sweep runs on them.
       rule: the pairs kept.
       group: the log-sum-exp it adds to.
       target: the name of the targets array in the metadata (the column of each
@@ -44,7 +45,7 @@ class Family(NamedTuple):
     """
 
     rows: str
-    cols: str
+    cols: str  # or ``"bx"``/``"by"``: a bank's earlier queries/documents (no gradient)
     rule: Rule
     group: int = 0
     target: str | None = None
@@ -123,7 +124,9 @@ def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar]:
         rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
         args = (Softmax, block, rows, sides[cols_key], _targets(fam, meta), scale, zero)
         args = (*args, stats[fam.group], g, _mask(fam, meta))
-        if len(spec.families) == 1:  # written over copies of x and y: no zeros needed
+        if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
+            grads, ds = _add_rows(fam, args, grads, sides, spec.k)
+        elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
             dx, dcols, ds, _ = _blockwise.backward(*args)
             grads["x"], grads[cols_key] = dx, dcols
         else:
@@ -146,6 +149,17 @@ def _add_family(fam, args, grads, sides, cols_key, k):
     grads[row_key] = row_buf.array if isinstance(row_buf, Firsts) else row_buf
     if not same:
         grads[cols_key] = col_buf
+    return grads, dscale
+
+
+def _add_rows(fam, args, grads, sides, k):
+    """Adds one family's rows' gradients into ``grads``: its columns are constants."""
+    row_key = "x" if fam.rows == "x" else "y"
+    if grads[row_key] is None:
+        grads[row_key] = _zeros_of(sides[row_key], *sides.values())
+    buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
+    buf, dscale, _ = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
+    grads[row_key] = buf.array if isinstance(buf, Firsts) else buf
     return grads, dscale
 
 

@@ -12,7 +12,8 @@ query's positive pair) and ``margin``.
 
 Columns (queries or documents): ``offset`` (the global index of the first column
 here), ``pid`` (a document's id; for a query column, its positive's), ``qid`` (a
-query's id; for a document column, its query's, counted only on positives) and ``g``.
+query's id; for a document column, its query's, counted only on positives), ``g``,
+and for a bank's columns (``_bank``) ``live`` (whether the entry is filled yet).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Rule(NamedTuple):
         (sentence-transformers' ``hardness_mode``): ``"hard_negatives"`` (the row's own
         hard negatives), ``"in_batch_negatives"`` (the other rows' documents) or
         ``"all_negatives"`` (every document but the positive); or None.
+      bank: the columns are a bank's earlier rows (``_bank``): none is a row's own
+        (no ``exclude`` but ``"negatives"``, no ``protect``), every one is another
+        query's for ``hardness``, and those not ``live`` are dropped.
     """
 
     exclude: str | None = None
@@ -59,6 +63,14 @@ class Rule(NamedTuple):
     k: int = 1
     guide: str | None = None
     hardness: str | None = None
+    bank: bool = False
+
+    def for_bank(self) -> Rule:
+        """This rule for the same rows against a bank's columns of the same side."""
+        hardness = None if self.hardness == "hard_negatives" else self.hardness
+        exclude = "negatives" if self.exclude == "negatives" else None
+        return self._replace(exclude=exclude, protect=None, guide=None, hardness=hardness,
+                             bank=True)  # fmt: skip
 
     def keep(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
         """``[rows, cols]``: the pairs kept, from the rows' and columns' metadata.
@@ -75,6 +87,8 @@ class Rule(NamedTuple):
             other = {"self": lambda: gj != gi, "owner": lambda: gj // self.k != gi,
                      "negatives": lambda: gj % self.k == 0}[self.exclude]()  # fmt: skip
             keep = other if keep is None else keep & other
+        if self.bank:
+            keep = cm["live"][None, :] if keep is None else keep & cm["live"][None, :]
         return None if keep is None else jax.lax.optimization_barrier(keep)
 
     def boost(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> tuple | None:
@@ -82,6 +96,8 @@ class Rule(NamedTuple):
         (before any pair is dropped), or None. Arguments as for :meth:`keep`."""
         if self.hardness is None:
             return None
+        if self.bank:  # every entry is an earlier query's: none is hard, all in batch
+            return jnp.ones((len(rows), len(cols)), bool), rm["alpha"]
         gi, gj = (rm["offset"] + rows)[:, None], (cm["offset"] + cols)[None, :]
         own, positive = gj // self.k == gi, gj == gi * self.k
         pairs = {"hard_negatives": own & ~positive, "in_batch_negatives": ~own,

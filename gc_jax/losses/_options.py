@@ -38,12 +38,17 @@ class Options(NamedTuple):
     margin: Any = 0.0
     hardness_mode: str | None = None
     hardness_strength: Any = 0.0
+    bank: Any = None  # a ``_bank.Bank`` (its count None: it travels as a scalar)
 
     def map_arrays(self, f) -> Options:
-        """These options with ``f`` applied to every per-row array (ids, the guide's)."""
+        """These options with ``f`` applied to every per-row array (ids, the guide's, the
+        bank's)."""
         apply = lambda v: None if v is None else jax.tree.map(f, v)
         return self._replace(
-            query_ids=apply(self.query_ids), doc_ids=apply(self.doc_ids), guide=apply(self.guide)
+            query_ids=apply(self.query_ids),
+            doc_ids=apply(self.doc_ids),
+            guide=apply(self.guide),
+            bank=apply(self.bank),
         )
 
 
@@ -180,7 +185,12 @@ def spec(options: Options, k: int) -> Spec:
         "gist_doc_to_doc": Family("p", "y", rule(exclude="negatives", docs=True)),
     }
     families = tuple(make[d] for d in options.directions)
-    return Spec(families, 1 if joint else len(families), k)
+    if options.bank is not None:  # each direction's columns, and their bank's earlier ones
+        bank = tuple(
+            f._replace(cols="b" + f.cols, rule=f.rule.for_bank(), target=None) for f in families
+        )
+        families += bank
+    return Spec(families, 1 if joint else len(options.directions), k)
 
 
 def thresholds(guide: tuple[jax.Array, jax.Array], k: int) -> jax.Array:

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _options, _tiles
+from gc_jax.losses import _bank, _blockwise, _options, _sweeps, _tiles
 from gc_jax.losses._families import Spec
+from gc_jax.losses._masks import Mask
 from gc_jax.losses._order import after
 from gc_jax.losses._ring import around, around_back
 from gc_jax.losses._strategies import Softmax
@@ -34,7 +35,8 @@ from gc_jax.losses._tiles import Firsts
 
 
 def _passes(spec: Spec) -> tuple[str, ...]:
-    return tuple(s for s in ("y", "x") if any(f.cols == s for f in spec.families))
+    sides = ("y", "x", "by", "bx")
+    return tuple(s for s in sides if any(f.cols == s for f in spec.families))
 
 
 def _rows(fam, sides: dict, k: int) -> Any:
@@ -51,7 +53,7 @@ def _forward(spec, block, axis_name, sides, scale, meta):
             carries = list(carries)
             for fam in (f for f in spec.families if f.cols == side):
                 targets = meta["targets"].get(fam.target) if own else None
-                mask = (fam.rule, meta["rows"][fam.rows], cols_meta)
+                mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
                 carries[fam.group] = _blockwise.sweep(
                     Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
                     carries[fam.group], mask,
@@ -78,7 +80,7 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
             dx, dy, dscale = state
             for fam in (f for f in spec.families if f.cols == side):
                 targets = meta["targets"].get(fam.target) if own else None
-                mask = (fam.rule, meta["rows"][fam.rows], cols_meta)
+                mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
                 buf = dx if fam.rows == "x" else Firsts(dy, spec.k)
                 buf, col_acc, ds, _ = _blockwise.backward(
                     Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
@@ -91,6 +93,10 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
         here = (sides[side], meta["cols"][side])
         if n:  # the second ring starts once the first is done
             here = after(here, state)
+        if side.startswith("b"):  # a bank's blocks travel for the rows' gradient alone
+            bank = functools.partial(_bank_visit, spec, block, sides, scale, meta, stats, g, side)
+            state = around(bank, here, state, axis_name)
+            continue
         home, state = around_back(visit, here, _tiles.zeros(sides[side], acc, x, y), state,
                                    axis_name)  # fmt: skip
         dx, dy, dscale = state
@@ -98,7 +104,25 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
     dx, dy, dscale = state
     dx, dscale = after((dx, dscale), dy)  # every ppermute before the scalars' psum
     dscale = after(dscale, dx)
-    return {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}, dscale
+    grads = dict.fromkeys(sides)  # a bank's columns: None, no gradient
+    return grads | {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}, dscale
+
+
+def _bank_visit(spec, block, sides, scale, meta, stats, g, side, here, state, own):
+    """The rows' gradients against one travelling block of a bank (no gradient of its own)."""
+    reps, cols_meta = here
+    dx, dy, dscale = state
+    zero = jnp.zeros((), scale.dtype)
+    for fam in (f for f in spec.families if f.cols == side):
+        mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
+        rows = _rows(fam, sides, spec.k)
+        sweeps = _sweeps.Sweeps(
+            Softmax, block, rows, reps, None, scale, zero, stats[fam.group], g, mask
+        )
+        buf, ds, _ = sweeps.query_sweep(dx if fam.rows == "x" else Firsts(dy, spec.k), add=True)
+        dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
+        dscale = dscale + ds
+    return dx, dy, dscale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -128,17 +152,24 @@ def rows(
     scale: Any,
     block_size: int,
     axis_name: AxisName,
+    count: Any = None,
 ) -> jax.Array:
     """Per-query losses of this device's rows against every device's, on the ring.
 
-    ``options``' ids and guide are this device's rows' (split like ``x`` and ``y``).
+    ``options``' ids, guide and bank are this device's rows' (split like ``x`` and
+    ``y``); ``count``: the bank's (its slots filled).
     """
     n = len(x)
     offset = _distributed.axis_index_offset(n, axis_name)
     meta = _options.metadata(options, spec, offset, offset)
+    sides = {"x": x, "y": y}
+    if options.bank is not None:  # this device's bank: its blocks travel like y's
+        ids = (options.query_ids is not None, options.doc_ids is not None)
+        sides |= _bank.columns(options.bank)
+        meta["cols"] |= _bank.metadata(options.bank, offset, count, ids)
     local = jnp.arange(n)
     every = {"first": local * spec.k, "self": local}  # into this device's own block
     meta["targets"] = {f.target: every[f.target] for f in spec.families if f.target}
     acc = _blockwise.accumulation_dtype(x, y, scale)
     scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), x, y)
-    return _rowwise(spec, block_size, axis_name, {"x": x, "y": y}, scale, meta)
+    return _rowwise(spec, block_size, axis_name, sides, scale, meta)
