@@ -144,17 +144,18 @@ def _backward(form: Form, axis_name, x, ys, targets, scale, bias, meta, stat, g)
     acc, score = scale.dtype, form.score
     rows_meta, cols_meta = meta or (None, None)
 
-    def visit(here, behind, grads, own):
+    def visit(here, behind, grads, own):  # both sweeps add into the buffers they carry
         ys, cm = here
         t, mask = targets if own else None, form.mask((rows_meta, cm))
+        dx, dscale, dbias = grads
         args = (form.kind, form.block, x, ys, t, scale, bias, stat, g, mask)
-        dx, dys, dscale, dbias = _blockwise.backward(*args, score=score)
-        dys, new = dys.astype(acc), (dx.astype(acc), dscale, dbias)
-        if behind is None:  # step 0
-            return dys, new
-        return behind + dys, tuple(u + v for u, v in zip(grads, new, strict=True))
+        dx, behind, ds, db = _blockwise.backward(*args, into=(dx, behind), score=score)
+        return behind, (dx, dscale + ds, dbias + db)
 
-    dys, (dx, dscale, dbias) = around_back(visit, (ys, cols_meta), None, None, axis_name)
+    zero = _tiles.scalar_zero(x, acc, ys)
+    start = _tiles.zeros(score.leaf(ys), acc, x, ys)
+    grads = (_tiles.zeros(score.leaf(x), acc, x, ys), zero, zero)
+    dys, (dx, dscale, dbias) = around_back(visit, (ys, cols_meta), start, grads, axis_name)
     dx, dscale, dbias = after((dx, dscale, dbias), dys)  # every ppermute before the psum
     dx = dx.astype(score.leaf(x).dtype)
     return dx, dys.astype(score.leaf(ys).dtype), dscale, dbias

@@ -86,7 +86,8 @@ class Sweeps:
                 raw, scored, dz = self.tile_grad(row, qs, yk, ks, j * bk, cm)
                 grad = self.score.dx(scored, row[0], yk, dz, acc)
                 # Adding: rows of the previous block hold their share already.
-                dxq = dxq + (jnp.where(own, scale * grad, 0) if add else grad)
+                keep = own.reshape(own.shape + (1,) * (grad.ndim - 2))  # [bq, 1, ...]
+                dxq = dxq + (jnp.where(keep, scale * grad, 0) if add else grad)
                 dz = jnp.where(own, dz, 0)  # rows of the previous block: summed there
                 # The context made to depend on the loop (else XLA forwards it past the
                 # loop and fuses its read into the update again): it adds zero.
