@@ -24,7 +24,17 @@ pairs; the data (``--data``):
   ``--fit-batches`` other batches. It also prints each setting's modelled FLOPs
   (the encoder's linear and attention matmuls over the chunk shapes it encodes; for
   the packing also with attention within each row only, as a segment-aware kernel
-  computes it) and how far its loss and gradients are from the rows'.
+  computes it) and how far its loss and gradients are from the rows'. Its settings
+  also include ``fitted+flops``: ``TokenBudget.for_lengths(sample, R * L, L,
+  attention_width=d)``, the buckets fitted to the modelled FLOPs, attention included;
+* ``heldout2``: a second held-out shape, fixed before it was measured (the guard
+  against tuning to ``heldout``), differing in every respect: a 3-layer encoder of
+  width d = 64 (2 heads, feed-forward 256), batch 192, ``R = 24`` rows, queries padded
+  to 48 tokens with Zipf lengths (``zipf(1.7) + 2``), documents padded to 384 tokens
+  from a bimodal mixture (65 % log-normal, median 48, sigma 0.5; 35 % uniform from
+  160 to 384 tokens): about two thirds of the padded tokens are padding, and
+  attention is half of the long chunks' FLOPs (``n / (6 d) = 1`` at 384). Its
+  settings are ``heldout``'s (``--settings`` picks some).
 
 Settings: ``rows``: ``chunk_size=--chunk`` rows (default: ``--tokens`` over the documents'
 padded length, so a chunk holds as many tokens as a budget chunk); ``tokens``: per input
@@ -47,6 +57,7 @@ Usage (from the repository root)::
 
     PYTHONPATH=examples python -m benchmarks.token_budget --data lognormal
     PYTHONPATH=examples python -m benchmarks.token_budget --data example --tpu v5e:2x2
+    PYTHONPATH=examples python -m benchmarks.token_budget --data heldout2 --batches 1
 """
 
 from __future__ import annotations
@@ -74,7 +85,7 @@ from gc_jax import packing
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--data", choices=["example", "lognormal", "heldout"], default="lognormal")
+    add("--data", choices=["example", "lognormal", "heldout", "heldout2"], default="lognormal")
     add("--batch", type=int, default=256, help="pairs per step")
     add("--query-length", type=int, default=64, help="the queries' padded length")
     add("--document-length", type=int, default=512, help="the documents' padded length")
@@ -82,7 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--sigma", type=float, help="lognormal: sigma of the log length (0.8; heldout 0.75)")
     add("--medians", type=float, nargs=2, default=(20, 90), metavar=("QUERY", "DOCUMENT"),
         help="heldout: median lengths in tokens")  # fmt: skip
-    add("--chunk-rows", type=int, default=32, help="heldout: rows R of a chunk (budget R * L)")
+    add("--chunk-rows", type=int, help="heldout: rows R of a chunk, budget R * L (32; heldout2 24)")
+    add("--settings", nargs="+", help="heldout: only these settings (rows always)")
     add("--tokens", type=int, default=4096, help="the token budget of a chunk")
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
@@ -101,7 +113,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.sigma is None:
         args.sigma = 0.75 if args.data == "heldout" else 0.8
+    if args.chunk_rows is None:
+        args.chunk_rows = 24 if args.data == "heldout2" else 32
+    if args.data == "heldout2":  # the second held-out shape (see the module's docstring)
+        args.batch, args.query_length, args.document_length = 192, 48, 384
     return args
+
+
+HELDOUT2_WIDTH = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+                  "intermediate_size": 256}  # fmt: skip
+
+
+def heldout2_lengths(rng, rows: int, padded: int, query: bool) -> np.ndarray:
+    """``heldout2``'s lengths: Zipf queries; documents from a short log-normal mode
+    (65 %) and a long uniform one (35 %)."""
+    if query:
+        return np.minimum(rng.zipf(1.7, rows) + 2, padded)
+    short = np.round(rng.lognormal(np.log(48), 0.5, rows))
+    long = rng.integers(160, padded + 1, rows)
+    return np.clip(np.where(rng.random(rows) < 0.65, short, long), 1, padded)
 
 
 def example_batches(args, count: int) -> tuple[int, list]:
@@ -132,6 +162,8 @@ def lognormal_batches(args, count: int) -> tuple[int, list]:
         median = args.medians[i] if heldout else args.median * padded
         length = rng.lognormal(np.log(median), args.sigma, args.batch)
         length = np.clip(np.round(length), 1, padded).astype(np.int32)
+        if args.data == "heldout2":
+            length = heldout2_lengths(rng, args.batch, padded, i == 0).astype(np.int32)
         mask = (np.arange(padded)[None] < length[:, None]).astype(np.int32)
         ids = rng.integers(1, dual_encoder.TINY_VOCAB_SIZE, mask.shape, dtype=np.int32)
         return {"input_ids": ids * mask, "attention_mask": mask}
@@ -217,19 +249,25 @@ def packings(args) -> tuple[gc_jax.TokenPacking, gc_jax.TokenPacking]:
     return (gc_jax.TokenPacking(args.tokens, args.segments),) * 2
 
 
-def heldout_settings(args, fit) -> dict:
-    """Issue 36's four settings, per input: ``R`` rows, or ``R * L`` tokens a chunk."""
+def heldout_settings(args, fit, width: int) -> dict:
+    """Issue 36's settings, per input: ``R`` rows, or ``R * L`` tokens a chunk (``width``:
+    the encoder's, for ``fitted+flops``); those of ``--settings`` only, if given."""
     rows, pads = args.chunk_rows, (args.query_length, args.document_length)
+    flops = lambda s, tokens, n: gc_jax.TokenBudget.for_lengths(s, tokens, n, attention_width=width)
     samples = [np.stack([b[i]["attention_mask"].sum(-1) for b in fit]) for i in range(2)]
     pow2 = lambda n: tuple(sorted({*(2**k for k in range(4, n.bit_length()) if 2**k < n), n}))
     per_input = lambda make: tuple(make(s, rows * n, n) for s, n in zip(samples, pads, strict=True))
-    return {
-        "rows": (rows, rows),
-        "pow2": per_input(lambda s, tokens, n: gc_jax.TokenBudget(tokens, pow2(n))),
-        "fitted": per_input(gc_jax.TokenBudget.for_lengths),
-        "packing": per_input(gc_jax.TokenPacking.for_lengths),
-        "packing+attention": per_input(gc_jax.TokenPacking.for_lengths),
+    makers = {
+        "pow2": lambda s, tokens, n: gc_jax.TokenBudget(tokens, pow2(n)),
+        "fitted": gc_jax.TokenBudget.for_lengths,
+        "fitted+flops": flops,
+        "packing": gc_jax.TokenPacking.for_lengths,
+        "packing+attention": gc_jax.TokenPacking.for_lengths,
     }
+    chosen = args.settings or list(makers)
+    if unknown := set(chosen) - set(makers) - {"rows"}:
+        raise SystemExit(f"--settings: unknown {sorted(unknown)}; choose from {list(makers)}")
+    return {"rows": (rows, rows), **{k: per_input(m) for k, m in makers.items() if k in chosen}}
 
 
 def modelled_flops(config, counts, lengths=None) -> float:
@@ -386,15 +424,18 @@ def main(argv=None) -> dict:
     make = example_batches if args.data == "example" else lognormal_batches
     vocab, all_batches = make(args, args.fit_batches + args.batches)
     fit, batches = all_batches[: args.fit_batches], all_batches[args.fit_batches :]
-    model = Encoder(dual_encoder.tiny_config(vocab, args.document_length), rngs=nnx.Rngs(0))
+    config = dual_encoder.tiny_config(vocab, args.document_length)
+    if args.data == "heldout2":
+        config = dataclasses.replace(config, **HELDOUT2_WIDTH)
+    model = Encoder(config, rngs=nnx.Rngs(0))
     params = dual_encoder.initial_params(model)
     print(common.machine())
     if args.compile_scaling is not None:
         compile_scaling(args, model, params, chunk, fit, batches[0])
         return {}
     settings = {"rows": (chunk, chunk), "tokens": input_budgets(args, fit)}
-    if args.data == "heldout":
-        settings = heldout_settings(args, fit)
+    if args.data.startswith("heldout"):
+        settings = heldout_settings(args, fit, config.hidden_size)
     elif not args.no_packing:
         settings["packing"] = packings(args)
     print(f"data {args.data}: batch {args.batch}, queries {args.query_length} / documents "

@@ -103,14 +103,23 @@ class TokenBudget:
     def for_lengths(
         cls, sample: Any, tokens: int, padded_length: int, *, max_buckets: int = 5,
         multiple: int = 8, min_saving: float = 0.01, lengths: Any = MASK,
+        attention_width: float | None = None,
     ) -> TokenBudget:  # fmt: skip
-        """A budget whose buckets encode the fewest tokens for batches like ``sample``.
+        """A budget whose buckets encode the fewest tokens (or FLOPs) for batches like ``sample``.
 
         The buckets (multiples of ``multiple``, and ``padded_length``) are chosen on
         the sample's own lengths, planned as the step plans them: added one at a time
         while one saves at least ``min_saving`` of the tokens encoded, up to
         ``max_buckets``, then each moved to its best place. Each bucket is one more
         compiled chunk shape (compile time grows about linearly with them).
+
+        With ``attention_width`` the buckets minimise the encoder's modelled FLOPs,
+        attention included, instead of its tokens: a chunk of ``r`` rows of ``n``
+        tokens costs ``r * n * (1 + n / (6 * attention_width))``. Per layer and token,
+        a transformer of width ``d`` takes about ``24 d^2`` FLOPs in its dense matmuls
+        and ``4 d n`` in attention (scores and weighted values), whose ratio is
+        ``n / (6 d)``: long chunks cost more per token than short ones. The step's plan
+        is the same either way (for the buckets it has, it encodes the fewest tokens).
 
         Args:
           sample: row lengths (padding excluded), ``[rows]`` for one batch or
@@ -120,8 +129,14 @@ class TokenBudget:
           padded_length: the batches' padded length (the longest bucket).
           max_buckets: at most this many buckets, ``padded_length`` included.
           multiple: every bucket but ``padded_length`` is a multiple of it.
-          min_saving: the share of the encoded tokens a bucket must save to be added.
+          min_saving: the share of the encoded tokens (or modelled FLOPs) a bucket must
+            save to be added.
           lengths: as ``TokenBudget``.
+          attention_width: the encoder's width ``d`` (hidden size), to fit the buckets
+            to its modelled FLOPs, attention included; ``None`` (default): to its
+            tokens. For a feed-forward of width ``f`` other than ``4 d``, pass ``(2 d +
+            f) / 6`` (dense ``8 d^2 + 4 d f`` against attention ``4 d n``); any positive
+            number: larger weighs attention less.
 
         Examples:
           >>> import numpy as np, gc_jax
@@ -129,8 +144,13 @@ class TokenBudget:
           >>> sample = np.clip(lengths.astype(int), 1, 256)  # 8 batches of 256 rows
           >>> gc_jax.TokenBudget.for_lengths(sample, 4096, padded_length=256).buckets
           (40, 56, 96, 152, 256)
+          >>> gc_jax.TokenBudget.for_lengths(sample, 8192, 256).buckets  # fewest tokens
+          (48, 112, 256)
+          >>> gc_jax.TokenBudget.for_lengths(sample, 8192, 256, attention_width=64).buckets
+          (24, 48, 80, 112, 256)
         """
         method = f"{cls.__name__}.for_lengths"
+        _check_width(attention_width, f"{method}(attention_width=...)")
         for name, value in (("max_buckets", max_buckets), ("multiple", multiple)):
             token_rows.positive_int(value, f"{method}({name}=...)")
         if not isinstance(min_saving, int | float) or not 0 <= min_saving < 1:
@@ -140,7 +160,7 @@ class TokenBudget:
         sample = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
         cls(tokens, (padded_length,)).chunk_shapes(padded_length, sample.shape[1])  # checks
         buckets = spans.propose_buckets(
-            sample, tokens, padded_length, max_buckets, multiple, min_saving
+            sample, tokens, padded_length, max_buckets, multiple, min_saving, attention_width
         )
         return cls(tokens, buckets, lengths)
 
@@ -198,6 +218,22 @@ class TokenBudget:
         bucket = spans.bucket_of(array, sizes, np)
         _, _, chunks = spans.spans(bucket, rows, sizes, np)
         return {shape: int(c) for shape, c in zip(shapes, chunks.max(axis=0), strict=True)}
+
+
+def _check_width(width: Any, where: str) -> None:
+    """``attention_width``: ``None`` or a positive finite number."""
+    if width is None:
+        return
+    if not isinstance(width, int | float | np.integer | np.floating) or isinstance(width, bool):
+        raise TypeError(
+            f"{where} must be the encoder's width (a positive number, e.g. its hidden size "
+            f"768) or None, got {width!r} of type {type(width).__name__}."
+        )
+    if not (np.isfinite(width) and width > 0):
+        raise ValueError(
+            f"{where} must be a positive finite width, e.g. the encoder's hidden size 768, "
+            f"got {width!r}; pass None to fit the buckets to the tokens alone."
+        )
 
 
 class BucketChunk(NamedTuple):

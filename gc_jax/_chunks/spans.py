@@ -16,7 +16,9 @@ rounded up: ``O(buckets)`` vector operations). The same code runs on NumPy array
 for :func:`propose_buckets`; under JAX its loops over the buckets are rolled
 (``fori_loop``), so the compiled plan does not grow with them (unrolled, it was 64
 fusions and 0.8 s of XLA:CPU compile for 5 buckets, per input; rolled, 0.4 s for any
-number).
+number). :func:`propose_buckets` scores the plan of each set of buckets it tries by its
+tokens, or by its modelled FLOPs, attention included (:func:`chunk_costs`); the plan
+itself always encodes the fewest tokens for the buckets it is given.
 
 This module is the ``TokenBudget``'s planner (:mod:`gc_jax._chunks.budget`: its plan
 under ``jit``, its ``chunk_counts`` and ``for_lengths`` with NumPy); it knows rows,
@@ -128,25 +130,45 @@ def _round_ups(previous: Any, xp: Any) -> Any:
     return _loop(k_all - 1, back, (up, previous[:, -1]), xp)[0]
 
 
-def encoded_tokens(lengths: np.ndarray, tokens: int, buckets: tuple[int, ...]) -> np.ndarray:
-    """Tokens the plan encodes for each batch of ``lengths`` (``[batches, rows]``)."""
+def chunk_costs(rows: tuple[int, ...], lengths: tuple[int, ...],
+                attention_width: float | None = None) -> np.ndarray:  # fmt: skip
+    """The modelled cost of one chunk of each bucket, ``float[buckets]``.
+
+    Without ``attention_width``: its tokens, ``r * n`` for ``r`` rows of ``n`` tokens.
+    With it (``d``): its encoder FLOPs in units of ``24 d^2`` a token, ``r * n * (1 +
+    n / (6 d))``. Per layer and token a transformer's forward takes about ``24 d^2``
+    FLOPs in its dense matmuls (Q, K, V and output projections ``8 d^2``, a feed-forward
+    of width ``4 d`` ``16 d^2``) and ``4 d n`` in its attention (the scores ``2 d n``,
+    the weighted values ``2 d n``); the backward pass and the layers scale both alike.
+    """
+    r, n = np.asarray(rows, np.float64), np.asarray(lengths, np.float64)
+    return r * n if attention_width is None else r * n * (1 + n / (6 * attention_width))
+
+
+def encoded_cost(lengths: np.ndarray, tokens: int, buckets: tuple[int, ...],
+                 attention_width: float | None = None) -> np.ndarray:  # fmt: skip
+    """The modelled cost (:func:`chunk_costs`) of the chunks the step plans for each
+    batch of ``lengths`` (``[batches, rows]``): tokens without ``attention_width``."""
     rows = tuple(min(tokens // n, lengths.shape[1]) for n in buckets)
     _, _, chunks = spans(bucket_of(lengths, buckets, np), rows, buckets, np)
-    return chunks @ np.asarray([r * n for r, n in zip(rows, buckets, strict=True)])
+    return chunks @ chunk_costs(rows, buckets, attention_width)
 
 
 def propose_buckets(lengths: np.ndarray, tokens: int, padded_length: int, max_buckets: int,
-                    multiple: int, min_saving: float) -> tuple[int, ...]:  # fmt: skip
-    """Buckets (multiples of ``multiple``, and ``padded_length``) for which the plan
-    encodes the fewest tokens over the batches of ``lengths``.
+                    multiple: int, min_saving: float,
+                    attention_width: float | None = None) -> tuple[int, ...]:  # fmt: skip
+    """Buckets (multiples of ``multiple``, and ``padded_length``) whose plan costs least
+    over the batches of ``lengths``: encodes the fewest tokens, or with
+    ``attention_width`` the fewest modelled FLOPs (:func:`encoded_cost`).
 
     Buckets are added one at a time (the one that saves most) while one saves at
-    least ``min_saving`` of the tokens; then, from that set and from as many buckets
-    at equally spaced quantiles of the lengths, each bucket is moved in turn to its
-    best place while that helps, and the cheaper result is kept.
+    least ``min_saving`` of the cost; then, from that set and from as many buckets
+    at equally spaced quantiles of the lengths (and, with ``attention_width``, from the
+    buckets fitted to the tokens), each bucket is moved in turn to its best place while
+    that helps, and the cheapest result is kept.
     """
     candidates = list(range(multiple, padded_length, multiple))
-    cost = lambda buckets: float(encoded_tokens(lengths, tokens, buckets).mean())
+    cost = lambda buckets: float(encoded_cost(lengths, tokens, buckets, attention_width).mean())
     chosen, current = (padded_length,), cost((padded_length,))
     while len(chosen) < max_buckets:
         scored = [(cost(t), t) for t in _with_each(chosen, candidates)]
@@ -157,6 +179,9 @@ def propose_buckets(lengths: np.ndarray, tokens: int, padded_length: int, max_bu
     quantiles = np.quantile(lengths, np.arange(1, count + 1) / (count + 1))
     halves = [padded_length >> (count - i) for i in range(count)]  # L/2^count, ..., L/2
     starts = [chosen]
+    if attention_width is not None:  # the tokens' buckets: a start the greedy steps can miss
+        starts.append(propose_buckets(lengths, tokens, padded_length, max_buckets, multiple,
+                                      min_saving))  # fmt: skip
     for guess in (quantiles, halves):
         near = {min(max(multiple, -(-int(n) // multiple) * multiple), padded_length) for n in guess}
         starts.append((*sorted(near - {padded_length}), padded_length))
