@@ -1,0 +1,154 @@
+"""Did a change to the losses change what they compile to? Fingerprints of every loss form.
+
+For a refactor of ``gc_jax/losses`` the strongest before/after check is the compiled
+program itself: for each loss form (dense, blockwise, gather and ring on 8 emulated
+CPU devices; InfoNCE, GTE's directions, SigLIP, MaxSim) this compiles the loss's value
+and gradients with XLA:CPU and prints a fingerprint of the optimised HLO (sha1 of its
+instruction lines: no metadata, no source-location tables, so renamed Python
+functions do not count), its length, and ``memory_analysis().temp_size_in_bytes``.
+Run it in the trees before and after a change: an equal fingerprint is the same
+program. ``--time N`` also runs each form ``N`` times and prints the median wall and
+process-CPU time of a step (CPU time is the steadier figure on a shared machine;
+alternate before/after processes to compare).
+
+Usage (from the repository root)::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.loss_programs
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m benchmarks.loss_programs --time 5 --json /tmp/after.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gc_jax import losses
+
+DEVICES = 8
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--time", type=int, default=0, help="steps to time per form (0: none)")
+    p.add_argument("--only", nargs="+", default=None, help="forms to run (default: all)")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def fingerprint(compiled) -> tuple[str, int]:
+    """sha1 (10 hex digits) and length of the optimised HLO's instruction lines."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    lines = [
+        line for line in text.splitlines() if re.match(r"\s*(%|ROOT|ENTRY|\}|HloModule)", line)
+    ]
+    program = "\n".join(lines)
+    return hashlib.sha1(program.encode()).hexdigest()[:10], len(program)
+
+
+def _grad(loss, argnums=(0, 1)):
+    return lambda a, b: jax.value_and_grad(loss, argnums)(a, b)
+
+
+def _sharded(loss, mesh):
+    """Value and gradients inside ``shard_map`` over ``mesh``'s ``"d"`` axis."""
+    rows = P("d")
+    return jax.shard_map(
+        _grad(loss), mesh=mesh, in_specs=(rows, rows), out_specs=(P(), (rows, rows))
+    )
+
+
+def forms() -> dict:
+    """``name -> (step, a, b)``: each loss form's value-and-gradient step and its inputs."""
+    key = jax.random.split(jax.random.key(0), 4)
+    x, y = jax.random.normal(key[0], (512, 32)), jax.random.normal(key[1], (1024, 32))
+    q, d = jax.random.normal(key[2], (64, 6, 16)), jax.random.normal(key[3], (128, 8, 16))
+    q_mask, d_mask = np.ones((64, 6), bool), np.ones((128, 8), bool)
+    d_mask[:, 5:] = False
+    gte = ("query_to_doc", "doc_to_query", "query_to_query", "doc_to_doc")
+    c, s, m = losses.contrastive_loss, losses.sigmoid_loss, losses.maxsim_loss
+    out = {
+        "contrastive_dense": (_grad(lambda a, b: c(a, b)), x, y),
+        "contrastive_block": (_grad(lambda a, b: c(a, b, block_size=128)), x, y),
+        "contrastive_block_bf16": (
+            _grad(lambda a, b: c(a, b, block_size=128)),
+            x.astype("bfloat16"),
+            y.astype("bfloat16"),
+        ),
+        "contrastive_hn_block": (_grad(lambda a, b: c(a, b, block_size=128)), x[:256], y),
+        "gte_block": (_grad(lambda a, b: c(a, b, directions=gte, block_size=128)), x, y),
+        "sigmoid_block": (_grad(lambda a, b: s(a, b, 2.0, -1.0, block_size=128)), x, y[:512]),
+        "maxsim_block": (
+            _grad(lambda a, b: m(a, b, q_mask=q_mask, d_mask=d_mask, block_size=16)),
+            q,
+            d,
+        ),
+    }
+    if jax.device_count() < DEVICES:
+        return out
+    mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    ring = {"axis_name": "d", "method": "ring"}
+    out |= {
+        "contrastive_ring": (_sharded(lambda a, b: c(a, b, block_size=32, **ring), mesh), x, y),
+        "contrastive_gather": (
+            _sharded(lambda a, b: c(a, b, block_size=32, axis_name="d", method="gather"), mesh),
+            x,
+            y,
+        ),
+        "sigmoid_ring": (
+            _sharded(lambda a, b: s(a, b, 2.0, -1.0, block_size=32, **ring), mesh),
+            x,
+            y[:512],
+        ),
+        "clip_ring": (
+            _sharded(lambda a, b: losses.clip_loss(a, b, 2.0, block_size=32, **ring), mesh),
+            x,
+            y[:512],
+        ),
+        "maxsim_ring": (_sharded(lambda a, b: m(a, b, block_size=8, **ring), mesh), q, d),
+    }
+    return out
+
+
+def measure(step, a, b, runs: int) -> dict:
+    compiled = jax.jit(step).lower(a, b).compile()
+    digest, length = fingerprint(compiled)
+    row = {"sha1": digest, "hlo_chars": length}
+    row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+    if runs:
+        jax.block_until_ready(compiled(a, b))
+        wall, cpu = [], []
+        for _ in range(runs):
+            t, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(compiled(a, b))
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+        row["wall_s"], row["cpu_s"] = float(np.median(wall)), float(np.median(cpu))
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = {}
+    print(f"JAX {jax.__version__}, {jax.device_count()} devices", flush=True)
+    for name, (step, a, b) in forms().items():
+        if args.only and name not in args.only:
+            continue
+        rows[name] = measure(step, a, b, args.time)
+        print(f"{name:24s} {json.dumps(rows[name])}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"jax": jax.__version__, "forms": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
