@@ -165,6 +165,48 @@ def test_a_keras_hub_backbone_under_sharded_jit_over_explicit_axes(backbone):
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+def fsdp_specs(params, axis="data", shards=8):
+    """Each weight split over ``axis`` along its largest dimension that divides."""
+
+    def one(v):
+        dims = [i for i in range(v.ndim) if v.shape[i] % shards == 0]
+        if not dims:
+            return P()
+        big = max(dims, key=lambda i: v.shape[i])
+        return P(*(axis if i == big else None for i in range(v.ndim)))
+
+    return {k: one(v) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_a_keras_hub_backbone_with_fsdp_weights(axis_type):
+    """Weights sharded over the batch axis: the chunks span the devices. Over auto axes
+    the compiler places KerasHub's lookup, exactly; over explicit axes the lookup needs
+    an ``out_sharding`` KerasHub does not write, and the error says what to do."""
+    encode, params = gc_jax.keras_encoder(bert_backbone(), get_rep=lambda o: o["pooled_output"])
+    q, d = token_batch(32, seed=1), token_batch(32, seed=2)
+    want = jax.jit(jax.value_and_grad(lambda p: loss(p, encode(p, q, None), encode(p, d, None))))(
+        params
+    )
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    specs = fsdp_specs(params)
+    assert sum(s != P() for s in specs.values()) > len(specs) // 2, "most weights sharded"
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    q, d = jax.device_put((q, d), NamedSharding(mesh, P("data")))
+    axis = "data" if axis_type == "Auto" else None
+    step = jax.jit(gc_jax.cached_value_and_grad(loss, encode, chunk_size=2, batch_axis=axis))
+    with jax.set_mesh(mesh):
+        if axis_type == "Auto":
+            chex.assert_trees_all_close(step(placed, q, d), want, **TOL)
+            return
+        with pytest.raises(Exception, match="out_sharding") as raised:
+            step(placed, q, d)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "table.at[ids].get(out_sharding=P('data'))" in notes, notes
+    assert "axis_types=(AxisType.Auto,)" in notes, notes
+
+
 def test_make_train_step_optax_loop_matches_full_batch_and_writes_back():
     model = functional_model()
     encode, params = gc_jax.keras_encoder(model)
