@@ -74,3 +74,25 @@ def explain(error: Exception) -> None:
         "annotations; use encoder_view='global' (or 'auto') for such an encoder: the chunk "
         "then spans the devices, as under plain jit."
     )
+
+
+def explain_spanning(error: Exception, layout: _layout.Layout) -> None:
+    """Adds to a sharding type error raised by an encoder whose chunks span the devices
+    over explicit mesh axes (``encoder_view="global"``) what it needs, and what to do
+    with a model that cannot be annotated."""
+    if layout.kind != "explicit" or not any(
+        t.__name__ == "ShardingTypeError" for t in type(error).__mro__
+    ):
+        return
+    error.add_note(
+        f"gc_jax gave the encoder each chunk as one array split over the explicit mesh "
+        f"axes {layout.axes!r} (encoder_view='global', which 'auto' picks where a "
+        "parameter is sharded over those axes: FSDP), as plain jit over that mesh would; "
+        "there the encoder needs the annotations plain jit needs, e.g. an embedding "
+        f"lookup as table.at[ids].get(out_sharding=P({layout.axes!r})). For a model that "
+        "cannot be annotated (a KerasHub backbone's ReversibleEmbedding): keep its "
+        "parameters replicated over the batch axes, and encoder_view='auto' encodes each "
+        "device's rows with plain local types; or shard them over a mesh with auto axes "
+        "(jax.make_mesh(..., axis_types=(AxisType.Auto,)), jax.set_mesh and batch_axis=), "
+        "where the compiler places the lookup."
+    )

@@ -252,6 +252,17 @@ def call_nnx(
     return (get_rep or _identity)(out)
 
 
+def fresh(state: PyTree) -> PyTree:
+    """A fresh copy of an ``nnx.State``'s variables, made in the current trace.
+
+    NNX ties a variable to the trace it was made in: the RNG counters of a copy made
+    elsewhere cannot be updated, and NNX transforms inside the model (``nnx.scan``
+    over stacked layers, ``nnx.remat``) refuse it. The state passed in often comes
+    from an outer trace (the step's, closed over by gc_jax's chunk loop).
+    """
+    return jax.tree.map(_identity, state)
+
+
 def _merged(graphdef: Any, params: Any, rest: nnx.State, name: str) -> nnx.Module:
     """``nnx.merge(graphdef, params, rest)``, or an error saying what ``params`` must be."""
     fix = (
@@ -265,7 +276,7 @@ def _merged(graphdef: Any, params: Any, rest: nnx.State, name: str) -> nnx.Modul
             f"{name} got an nnx.Module ({type(params).__name__}) as params, not its state. " + fix
         )
     try:
-        return nnx.merge(graphdef, params, rest)
+        return nnx.merge(graphdef, fresh(params), fresh(rest))
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(
             f"{name} got params that do not match the model it was built from "
@@ -340,9 +351,7 @@ def nnx_encoder(
     name = f"nnx_encoder({type(model).__name__})"
 
     def encode(params, chunk, key):
-        # A fresh copy of the captured state, so the merged module's variables
-        # belong to the current trace and may be updated (RNG counters).
-        module = _merged(graphdef, params, jax.tree.map(_identity, rest), name)
+        module = _merged(graphdef, params, rest, name)
         return call_nnx(module, method, chunk, key, get_rep)
 
     return encode

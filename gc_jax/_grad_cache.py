@@ -219,9 +219,7 @@ class GradCache:
         self._step = jax.jit(self._run, static_argnames=("graphdef", "static_kwargs", "joined"))
 
     def _encode(self, params, chunk, key, *, graphdef, rest, slot):
-        # A fresh copy of the non-Param state, so the merged modules' variables
-        # belong to the current trace and may be updated (RNG counters).
-        models = nnx.merge(graphdef, _joint(params), jax.tree.map(lambda v: v, rest))
+        models = nnx.merge(graphdef, _flax.fresh(_joint(params)), _flax.fresh(rest))
         name = f"models[{self._slot.index(slot)}]"
         return _flax.call_nnx(models[slot], "__call__", chunk, key, self.get_rep_fn, name)
 

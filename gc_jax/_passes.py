@@ -148,7 +148,11 @@ def _encoder(
             layout, key = inp.plan.layout, _key(inp, c)
             reps = _device_view.encode_local(layout, encode, params, chunk, key, stacked, inp.name)
         else:
-            reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
+            try:
+                reps = _validation.call_encoder(encode, params, chunk, _key(inp, c), inp.name)
+            except Exception as e:
+                _device_view.explain_spanning(e, inp.plan.layout)
+                raise
             reps = jax.tree.map(inp.plan.layout.rows_split, reps)
         _validation.rows(
             reps, inp.plan.num_shards * inp.plan.rows_of(c), inp.name, inp.plan.rows_hint

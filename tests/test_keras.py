@@ -1,7 +1,8 @@
 """Keras 3 models (JAX backend) as encoders, with dropout replayed exactly.
 
-Plain Keras models always (when keras is installed); a KerasHub ``BertBackbone``
-built from a config when keras_hub is importable (it needs no TensorFlow to run).
+Plain Keras models always (when keras is installed); KerasHub's ``BertBackbone`` and
+``GemmaBackbone`` built from a config, random weights, when keras_hub is importable (it
+needs no TensorFlow to run), both also under sharded ``jit`` over explicit axes.
 """
 
 import os
@@ -102,10 +103,19 @@ def bert_backbone():
     )  # fmt: skip
 
 
-def token_batch(rows, length=8):
+def gemma_backbone():
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=50, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8, dropout=0.1,
+    )  # fmt: skip
+
+
+def token_batch(rows, length=8, seed=0):
     lengths = 3 + jnp.arange(rows) % (length - 2)
     return {
-        "token_ids": jax.random.randint(jax.random.key(0), (rows, length), 1, 50),
+        "token_ids": jax.random.randint(jax.random.key(seed), (rows, length), 1, 50),
         "segment_ids": jnp.zeros((rows, length), jnp.int32),
         "padding_mask": (jnp.arange(length) < lengths[:, None]).astype(jnp.int32),
     }
@@ -126,6 +136,75 @@ def test_keras_hub_bert_backbone_in_chunked_encoder_matches_full_batch():
 
     chex.assert_trees_all_close(got, jax.jit(jax.value_and_grad(full))(params), **TOL)
     assert float(optax.tree.norm(got[1])) > 0
+
+
+BACKBONES = {
+    "BertBackbone": (bert_backbone, lambda out: out["pooled_output"]),
+    "GemmaBackbone": (gemma_backbone, lambda out: out.mean(1)),  # mean over the tokens
+}
+
+
+@pytest.mark.parametrize("backbone", sorted(BACKBONES))
+def test_a_keras_hub_backbone_under_sharded_jit_over_explicit_axes(backbone):
+    """KerasHub's embedding (``ReversibleEmbedding``, an ``ops.take``) over ids split by
+    rows on explicit mesh axes: gc_jax encodes each device's rows with plain local
+    types, so the backbone runs as written (plain ``jit`` of the same backbone over
+    that mesh stops at the lookup and asks for ``out_sharding``)."""
+    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    build, get_rep = BACKBONES[backbone]
+    encode, params = gc_jax.keras_encoder(build(), get_rep=get_rep)
+    q, d = token_batch(32, seed=1), token_batch(32, seed=2)
+    if backbone == "GemmaBackbone":  # a decoder: no segments
+        q, d = ({k: v for k, v in x.items() if k != "segment_ids"} for x in (q, d))
+    full = lambda p: loss(p, encode(p, q, None), encode(p, d, None))
+    want = jax.jit(jax.value_and_grad(full))(params)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rows = NamedSharding(mesh, P("data"))
+    step = jax.jit(gc_jax.cached_value_and_grad(loss, encode, chunk_size=2))
+    got = step(jax.device_put(params, NamedSharding(mesh, P())), *jax.device_put((q, d), rows))
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
+def fsdp_specs(params, axis="data", shards=8):
+    """Each weight split over ``axis`` along its largest dimension that divides."""
+
+    def one(v):
+        dims = [i for i in range(v.ndim) if v.shape[i] % shards == 0]
+        if not dims:
+            return P()
+        big = max(dims, key=lambda i: v.shape[i])
+        return P(*(axis if i == big else None for i in range(v.ndim)))
+
+    return {k: one(v) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_a_keras_hub_backbone_with_fsdp_weights(axis_type):
+    """Weights sharded over the batch axis: the chunks span the devices. Over auto axes
+    the compiler places KerasHub's lookup, exactly; over explicit axes the lookup needs
+    an ``out_sharding`` KerasHub does not write, and the error says what to do."""
+    encode, params = gc_jax.keras_encoder(bert_backbone(), get_rep=lambda o: o["pooled_output"])
+    q, d = token_batch(32, seed=1), token_batch(32, seed=2)
+    want = jax.jit(jax.value_and_grad(lambda p: loss(p, encode(p, q, None), encode(p, d, None))))(
+        params
+    )
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    specs = fsdp_specs(params)
+    assert sum(s != P() for s in specs.values()) > len(specs) // 2, "most weights sharded"
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    q, d = jax.device_put((q, d), NamedSharding(mesh, P("data")))
+    axis = "data" if axis_type == "Auto" else None
+    step = jax.jit(gc_jax.cached_value_and_grad(loss, encode, chunk_size=2, batch_axis=axis))
+    with jax.set_mesh(mesh):
+        if axis_type == "Auto":
+            chex.assert_trees_all_close(step(placed, q, d), want, **TOL)
+            return
+        with pytest.raises(Exception, match="out_sharding") as raised:
+            step(placed, q, d)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "table.at[ids].get(out_sharding=P('data'))" in notes, notes
+    assert "axis_types=(AxisType.Auto,)" in notes, notes
 
 
 def test_make_train_step_optax_loop_matches_full_batch_and_writes_back():

@@ -8,6 +8,9 @@
 * An encoder written for plain ``jit`` over the mesh (``out_sharding=P("data")``,
   ``with_sharding_constraint``, weights sharded over the batch axis and gathered per
   layer: FSDP) runs unchanged: its chunks span the devices (``encoder_view="global"``).
+* The same FSDP stack as an NNX model (layers made by ``nnx.vmap``, run by
+  ``nnx.scan`` with ``nnx.remat``) through ``GradCache``, under ``jax.jit`` and
+  ``nnx.jit``.
 
 Every case is compared with ``jax.value_and_grad`` of the same loss over the whole,
 unsharded batch.
@@ -329,30 +332,27 @@ FSDP_SPECS = {
 }
 
 
+def fsdp_annotations(explicit: bool, sharded: bool = True):
+    """``(gather, rows, lookup)`` as JAX FSDP code writes them: a weight whole on every
+    device, activations split by rows, and the embedding lookup. ``sharded=False``:
+    none (the unsharded reference)."""
+    if not sharded:
+        return (lambda w: w), (lambda h: h), (lambda table, ids: table[ids])
+    if explicit:
+        rows = lambda h: jax.sharding.reshard(h, P("data"))
+        lookup = lambda table, ids: table.at[ids].get(out_sharding=P("data"))
+        return (lambda w: jax.sharding.reshard(w, P())), rows, lookup
+    rows = lambda h: jax.lax.with_sharding_constraint(h, P("data"))
+    return (lambda w: jax.lax.with_sharding_constraint(w, P())), rows, lambda t, i: rows(t[i])
+
+
 def fsdp_encoder(explicit: bool, sharded: bool = True):
     """A transformer-shaped stack: layers in a ``scan`` with per-layer remat, each
     layer's weights gathered just before use, activations constrained by rows."""
-
-    def gather(w):
-        if not sharded:
-            return w
-        if explicit:
-            return jax.sharding.reshard(w, P())
-        return jax.lax.with_sharding_constraint(w, P())
-
-    def rows(h):
-        if not sharded:
-            return h
-        if explicit:
-            return jax.sharding.reshard(h, P("data"))
-        return jax.lax.with_sharding_constraint(h, P("data"))
+    gather, rows, lookup = fsdp_annotations(explicit, sharded)
 
     def encode(p, batch, key):
-        ids = batch["ids"]
-        if sharded and explicit:
-            h = gather(p["embed"]).at[ids].get(out_sharding=P("data"))
-        else:
-            h = rows(gather(p["embed"])[ids])
+        h = lookup(gather(p["embed"]), batch["ids"])
 
         @jax.checkpoint
         def layer(h, w):
@@ -431,3 +431,85 @@ def test_the_local_view_all_reduces_once_per_step():
     assert bodies, "expected the chunk loops in the compiled step"
     assert not any("all-reduce" in b for b in bodies), "an all-reduce runs once per chunk"
     assert "all-reduce" in hlo, "expected the step's one gradient all-reduce"
+
+
+# -- 4. FSDP in NNX: layers made by nnx.vmap, run by nnx.scan with nnx.remat ---------
+
+
+def nnx_fsdp_model(explicit: bool, sharded: bool = True):
+    """The FSDP stack of section 3 as an NNX model, with the same weights."""
+    from flax import nnx
+
+    gather, rows, lookup = fsdp_annotations(explicit, sharded)
+    weights = fsdp_params()
+
+    class Block(nnx.Module):
+        def __init__(self, w_in, w_out):
+            self.w_in, self.w_out = nnx.Param(w_in), nnx.Param(w_out)
+
+        def __call__(self, h):
+            up = jax.nn.gelu(h @ gather(self.w_in[...]))
+            return rows(h + up @ gather(self.w_out[...]))
+
+    class Stack(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Param(weights["embed"])
+            self.layers = nnx.vmap(Block)(weights["layers"]["w_in"], weights["layers"]["w_out"])
+
+        def __call__(self, ids):
+            h = lookup(gather(self.embed[...]), ids)
+            layer = nnx.remat(lambda h, block: block(h))  # per-layer remat
+            run = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            return run(h, self.layers).mean(1)
+
+    return Stack()
+
+
+def test_an_nnx_model_with_scanned_layers_on_one_device():
+    """``nnx.scan`` inside the model refuses variables made in another trace: the
+    encoders merge the state afresh in each chunk's."""
+    from flax import nnx
+
+    model = nnx_fsdp_model(False, sharded=False)
+    ids_q, ids_d = ids_pair()
+    want = reference(lambda p, b, k: fsdp_encoder(False, False)(p, {"ids": b}, k),
+                     fsdp_params(), ids_q, ids_d)  # fmt: skip
+    loss, grads = _value_and_grad(gc_jax.nnx_encoder(model))(
+        nnx.state(model, nnx.Param), ids_q, ids_d
+    )
+    chex.assert_trees_all_close((loss, nnx.to_pure_dict(grads)), want, **TOL)
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+@pytest.mark.parametrize("step", ["jax.jit", "nnx.jit"])
+def test_an_nnx_fsdp_model_through_gradcache(step, explicit):
+    from flax import nnx
+
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    reference_model = nnx_fsdp_model(explicit, sharded=False)
+    want = reference(gc_jax.nnx_encoder(reference_model), nnx.state(reference_model, nnx.Param),
+                     *ids_pair())  # fmt: skip
+    model = nnx_fsdp_model(explicit)
+    spec = lambda path: (
+        P("data", None) if "embed" in jax.tree_util.keystr(path) else P(None, "data", None)
+    )  # as FSDP_SPECS
+    placed = jax.tree_util.tree_map_with_path(
+        lambda path, v: put(mesh, v, spec(path)), nnx.state(model, nnx.Param)
+    )
+    q, d = (put(mesh, x, P("data")) for x in ids_pair())
+    gc = gc_jax.GradCache(
+        [model, model], CHUNK, loss_fn=lambda a, b: loss_fn(None, a, b),
+        batch_axis=None if explicit else "data",
+    )  # fmt: skip
+    with jax.set_mesh(mesh):
+        if step == "jax.jit":
+            got = jax.jit(lambda p, q, d: gc(q, d, params=p))(placed, q, d)
+        else:
+            nnx.update(model, placed)  # the usual NNX loop: the model is the argument
+            got = nnx.jit(lambda m, q, d: gc(q, d))(model, q, d)
+    chex.assert_trees_all_close(got, want, rtol=5e-5, atol=5e-6)
+    if explicit:  # gathered layer by layer: gradients stay sharded like the weights
+        chex.assert_trees_all_equal_structs(got[1], nnx.state(model, nnx.Param))
+        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(placed), strict=True):
+            assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
