@@ -109,12 +109,6 @@ def forms() -> dict:
             x,
             y[:512],
         ),
-        "sigmoid_gather": (
-            _sharded(lambda a, b: s(a, b, 2.0, -1.0, block_size=32, axis_name="d"), mesh),
-            x,
-            y[:512],
-        ),
-        "clip_block": (_grad(lambda a, b: losses.clip_loss(a, b, 2.0, block_size=128)), x, y[:512]),
         "clip_ring": (
             _sharded(lambda a, b: losses.clip_loss(a, b, 2.0, block_size=32, **ring), mesh),
             x,

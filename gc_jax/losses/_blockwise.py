@@ -129,9 +129,6 @@ class Form(NamedTuple):
     score: Score = Dot
     block: int = 0
     rule: Any = None
-    own: bool = True  # ys are the caller's rows (not gathered): the backward adds into
-    # buffers of its own (XLA:CPU then holds a third to a half less; a gathered ys is a
-    # temporary its gradient is written over instead, which holds less there)
 
     def mask(self, meta: tuple | None) -> Mask | None:
         """The :class:`Mask` of ``meta = (rows_meta, cols_meta)`` (None without a rule)."""
@@ -206,10 +203,7 @@ def _rowwise_fwd(form, x, ys, targets, scale, bias, meta):
 def _rowwise_bwd(form, res, g):
     x, ys, targets, scale, bias, meta, stat = res
     kind, score, block, mask = form.kind, form.score, form.block, form.mask(meta)
-    # Own rows: both sweeps add into zeros of their own (in the rows' dtype: each row's
-    # sum is formed in the accumulation dtype and written once).
-    into = tuple(_tiles.own_zeros(score.leaf(v), x, ys) for v in (x, ys)) if form.own else None
-    grads = backward(kind, block, x, ys, targets, scale, bias, stat, g, mask, into, score=score)
+    grads = backward(kind, block, x, ys, targets, scale, bias, stat, g, mask, score=score)
     dx, dys, dscale, dbias = grads
     none = jax.tree.map(lambda _: None, meta)
     return cotangent(score, x, dx), cotangent(score, ys, dys), None, dscale, dbias, none
@@ -240,19 +234,17 @@ def call(
     *,
     score: Score = Dot,
     mask: Mask | None = None,
-    gathered: bool = False,
 ) -> jax.Array:
     """Casts the scalars to the accumulation dtype, varying like the rows, then runs.
 
     ``x`` and ``ys`` (rows of ``score``) keep their dtypes: only tiles are computed in
     the wider dtype. ``mask``: ``(rule, rows_meta, cols_meta)``, the pairs kept.
-    ``gathered``: ``ys`` was gathered from every device (a temporary of the loss).
     """
     acc = accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
     scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
     rule, *meta = mask or (None, None, None)
-    form = Form(kind, score, block_size, rule, own=not gathered)
+    form = Form(kind, score, block_size, rule)
     return _rowwise(form, x, ys, targets, scale, bias, None if rule is None else tuple(meta))
 
 

@@ -158,9 +158,7 @@ def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring, ids=None) -> j
     mask = _id_mask(rows_ids, k, _offset(n, axis_name), cols, col_offset=0)
     x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
-        gathered = axis_name is not None
-        args = (kind, x, ys, targets, scale, bias, block_size)
-        return _blockwise.call(*args, mask=mask, gathered=gathered)
+        return _blockwise.call(kind, x, ys, targets, scale, bias, block_size, mask=mask)
     logits = _logits(x, ys, scale, bias)
     positive = jnp.arange(ys.shape[0]) == targets[:, None]
     keep = None if mask is None else _dense_keep(mask, n, ys.shape[0])

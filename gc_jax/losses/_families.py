@@ -126,10 +126,7 @@ def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar]:
         args = (*args, stats[fam.group], g, _mask(fam, meta))
         if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
             grads, ds = _add_rows(fam, args, grads, sides, spec.k)
-        elif len(spec.families) == 1 and cols_key != fam.cols:
-            # Gathered columns: written over copies of x and of the gathered columns (a
-            # temporary that becomes their gradient). Own columns are added into
-            # buffers like several families' (XLA:CPU then holds a third less).
+        elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
             dx, dcols, ds, _ = _blockwise.backward(*args)
             grads["x"], grads[cols_key] = dx, dcols
         else:
@@ -142,7 +139,7 @@ def _add_family(fam, args, grads, sides, cols_key, k):
     """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new)."""
     for key in ("y" if fam.rows == "p" else "x", cols_key):
         if grads[key] is None:
-            grads[key] = _tiles.own_zeros(sides[key], *sides.values())
+            grads[key] = _zeros_of(sides[key], *sides.values())
     row_key = "x" if fam.rows == "x" else "y"
     row_buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
     same = row_key == cols_key  # rows and columns are rows of one array
@@ -159,11 +156,21 @@ def _add_rows(fam, args, grads, sides, k):
     """Adds one family's rows' gradients into ``grads``: its columns are constants."""
     row_key = "x" if fam.rows == "x" else "y"
     if grads[row_key] is None:
-        grads[row_key] = _tiles.own_zeros(sides[row_key], *sides.values())
+        grads[row_key] = _zeros_of(sides[row_key], *sides.values())
     buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
     buf, dscale, _ = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
     grads[row_key] = buf.array if isinstance(buf, Firsts) else buf
     return grads, dscale
+
+
+def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
+    """Zeros like ``v``, broadcast from a zero computed from ``v`` itself.
+
+    A constant zero would be one broadcast, shared by every side's buffer of that
+    shape and copied into each (a batch-sized temporary); this one is ``v``'s own.
+    """
+    zero = jnp.where(v[0, 0] > jnp.inf, 1, 0).astype(v.dtype)  # never true, NaN included
+    return _tiles.varying_like(jnp.full_like(v, zero), *others)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

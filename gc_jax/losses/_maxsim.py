@@ -124,8 +124,7 @@ def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.A
     (qt, dt), (qm, dm) = (_layout.gathered_scoring(a, b, whole) for a, b in zip(x, y, strict=True))
     x, y = Side(qt, qm), Side(dt, dm)
     if block_size is not None:
-        args = (Softmax, x, y, targets, scale, 0.0, block_size)
-        return _blockwise.call(*args, score=MaxSim, gathered=axis_name is not None)
+        return _blockwise.call(Softmax, x, y, targets, scale, 0.0, block_size, score=MaxSim)
     logits = scale * MaxSim.raw(x, y, scale.dtype)[0]
     positive = jnp.arange(len(y.tokens)) == targets[:, None]
     return jax.nn.logsumexp(logits, axis=1) - jnp.sum(jnp.where(positive, logits, 0), axis=1)

@@ -256,17 +256,6 @@ def zeros(like: jax.Array, dtype: Any, *others: Any) -> jax.Array:
     return varying_like(jnp.zeros_like(like, dtype), *others)
 
 
-def own_zeros(v: jax.Array, *others: Any) -> jax.Array:
-    """Zeros like ``v``, broadcast from a zero computed from ``v`` itself, varying like
-    ``v`` and ``others``: a buffer of its own to add gradients into.
-
-    A constant zero would be one broadcast, shared by every buffer of that shape and
-    copied into each (a batch-sized temporary); this one is ``v``'s own.
-    """
-    zero = jnp.where(v[(0,) * v.ndim] > jnp.inf, 1, 0).astype(v.dtype)  # never true, NaN too
-    return varying_like(jnp.full_like(v, zero), v, *others)
-
-
 def scalar_zero(rows: Any, dtype: Any, *others: Any) -> jax.Array:
     """A zero scalar typed like ``rows``' first element, varying like ``rows`` and ``others``."""
     v = jax.tree.leaves(rows, is_leaf=_is_view)[0]
