@@ -2,10 +2,14 @@
 
 For a refactor of ``gc_jax/losses`` the strongest before/after check is the compiled
 program itself: for each loss form (dense, blockwise, gather and ring on 8 emulated
-CPU devices; InfoNCE, GTE's directions, SigLIP, MaxSim) this compiles the loss's value
-and gradients with XLA:CPU and prints a fingerprint of the optimised HLO (sha1 of its
-instruction lines: no metadata, no source-location tables, so renamed Python
+CPU devices; InfoNCE, GTE's directions, SigLIP, CLIP, MaxSim) this compiles the loss's
+value and gradients with XLA:CPU and prints a fingerprint of the optimised HLO (sha1
+of its instruction lines: no metadata, no source-location tables, so renamed Python
 functions do not count), its length, and ``memory_analysis().temp_size_in_bytes``.
+The ``step_*`` forms compile a whole cached step (``cached_value_and_grad``, an MLP
+encoder) with the blockwise loss: a loss alone, its rows arguments the compiler must
+keep, can hold less in a way the step does not (a gradient written over its rows'
+copy becomes, in the step, a gradient written over the cache itself).
 Run it in the trees before and after a change: an equal fingerprint is the same
 program. ``--time N`` also runs each form ``N`` times and prints the median wall and
 process-CPU time of a step (CPU time is the steadier figure on a shared machine;
@@ -32,6 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import gc_jax
 from gc_jax import losses
 
 DEVICES = 8
@@ -92,7 +97,9 @@ def forms() -> dict:
             q,
             d,
         ),
+        "clip_block": (_grad(lambda a, b: losses.clip_loss(a, b, 2.0, block_size=128)), x, y[:512]),
     }
+    out |= _steps(key)
     if jax.device_count() < DEVICES:
         return out
     mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -109,6 +116,11 @@ def forms() -> dict:
             x,
             y[:512],
         ),
+        "sigmoid_gather": (
+            _sharded(lambda a, b: s(a, b, 2.0, -1.0, block_size=32, axis_name="d"), mesh),
+            x,
+            y[:512],
+        ),
         "clip_ring": (
             _sharded(lambda a, b: losses.clip_loss(a, b, 2.0, block_size=32, **ring), mesh),
             x,
@@ -116,6 +128,27 @@ def forms() -> dict:
         ),
         "maxsim_ring": (_sharded(lambda a, b: m(a, b, block_size=8, **ring), mesh), q, d),
     }
+    return out
+
+
+def _steps(key) -> dict:
+    """Whole cached steps (an MLP encoder, 4,096 pairs, chunks of 512) with each loss."""
+    w = (jax.random.normal(key[0], (32, 128)), jax.random.normal(key[1], (128, 64)))
+    inputs = jax.random.normal(key[2], (2, 4096, 32))
+
+    def encode(w, rows, key):
+        return jax.numpy.tanh(rows @ w[0]) @ w[1]
+
+    block = {"block_size": 512}
+    step_losses = {
+        "step_contrastive": lambda w, a, b: losses.contrastive_loss(a, b, **block),
+        "step_sigmoid": lambda w, a, b: losses.sigmoid_loss(a, b, 2.0, -1.0, **block),
+        "step_clip": lambda w, a, b: losses.clip_loss(a, b, 2.0, **block),
+    }
+    out = {}
+    for name, loss in step_losses.items():
+        step = gc_jax.cached_value_and_grad(loss, encode, chunk_size=512)
+        out[name] = (lambda a, b, step=step: step(w, a, b), inputs[0], inputs[1])
     return out
 
 

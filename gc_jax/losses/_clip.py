@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _strategies
-from gc_jax.losses._order import after
+from gc_jax.losses import _common, _contrastive, _docs, _options
 
 
 @_docs.shared_docs
@@ -16,6 +15,8 @@ def clip_loss(
     y: jax.Array,
     logit_scale: float | jax.Array,
     *,
+    query_ids: jax.Array | None = None,
+    doc_ids: jax.Array | None = None,
     reduction: str = "mean",
     block_size: int | None = None,
     axis_name: AxisName | None = None,
@@ -31,13 +32,20 @@ def clip_loss(
 
     the sums running over every row of the batch, across devices. Across devices
     each device scores its ``x`` rows against every ``y`` and its ``y`` rows against
-    every ``x``.
+    every ``x``. It is :func:`contrastive_loss` with ``directions=("query_to_doc",
+    "doc_to_query")`` and ``partition_mode="per_direction"``, and runs as it does.
+
+    With ids, a pair ``(i, j)``, ``j != i``, whose ``x`` rows or ``y`` rows share an id
+    (the same image or caption twice) is not counted as a negative in either direction.
 
     Args:
       x: one modality, ``[n, d]`` (normalise rows yourself, as CLIP does).
       y: the other modality, ``[n, d]``; row ``i`` pairs with ``x[i]``.
       logit_scale: *log* of the logit multiplier (learnable in CLIP, which starts
         at ``log(1 / 0.07)``); logits are ``exp(logit_scale) * x @ y.T``.
+      query_ids: an id per row of ``x``, ``[n]`` or ``[n, w]`` integers, split like
+        ``x``; None: no ids.
+      doc_ids: an id per row of ``y``, likewise.
       {shared args}
 
     Returns:
@@ -54,17 +62,13 @@ def clip_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=False)
-
-    def local(x, y, logit_scale, *, axis_name, ring):
-        scale, kind = jnp.exp(logit_scale), _strategies.Softmax
-        rows = lambda a, b: _common.rows(kind, a, b, 1, scale, 0.0, block_size, axis_name, ring)
-        x_to_y = rows(x, y)
-        if ring:  # one ring at a time, forward and backward (else both hold their buffers)
-            x_to_y, x, y = jax.lax.optimization_barrier((x_to_y, x, y))
-            x, y = after((x, y), x_to_y)  # kept on XLA:CPU too
-        per_row = (x_to_y + rows(y, x)) / 2
-        num_rows = len(x) * _common.num_devices(axis_name)
-        return _common.reduce(per_row, num_rows, reduction, axis_name)
-
-    kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    return _common.run(local, x, y, (logit_scale,), sides=(x, y), **kw)
+    options = _options.Options(
+        ("query_to_doc", "doc_to_query"),
+        "per_direction",
+        _options.check_ids(query_ids, len(x), "query_ids", "x"),
+        _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
+    )
+    kw = {"reduction": reduction, "block_size": block_size, "method": method}
+    return _contrastive.with_options(
+        x, y, 1, options, logit_scale, axis_name=axis_name, scale_of=jnp.exp, **kw
+    )

@@ -236,18 +236,20 @@ def contrastive_loss(
 
 
 def with_options(
-    x, y, k, options, temperature, *, reduction, block_size, method, axis_name, count=None
-):
+    x, y, k, options, temperature, *, reduction, block_size, method, axis_name, count=None,
+    scale_of=lambda temperature: 1.0 / temperature,
+):  # fmt: skip
     """InfoNCE over the families of checked ``options`` (``_options.spec``), in any form.
 
-    ``count``: the bank's count (its slots filled), with ``options.bank``.
+    ``count``: the bank's count (its slots filled), with ``options.bank``. ``scale_of``:
+    the logits' multiplier from ``temperature`` (``clip_loss`` passes a log scale).
     """
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     spec = _options.spec(options, k)
 
     def local_options(x, y, temperature, margin, alpha, *count, extras, axis_name, ring):
         opts = options._replace(margin=margin, hardness_strength=alpha, **extras)
-        scale, count = 1.0 / temperature, count[0] if count else None
+        scale, count = scale_of(temperature), count[0] if count else None
         per_row = _rows(spec, opts, x, y, scale, block_size, axis_name, ring, count)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)

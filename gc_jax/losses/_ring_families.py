@@ -90,9 +90,11 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
                 dscale = dscale + ds
             return col_acc, (dx, dy, dscale)
 
-        here = (sides[side], meta["cols"][side])
-        if n:  # the second ring starts once the first is done
-            here = after(here, state)
+        # Each ring starts once the one before is done (its last send included), and the
+        # first once every group's statistic is: with one partition function per
+        # direction, the first ring needs only its own group's, and would otherwise run
+        # beside the forward's later rings (independent collectives, see ``_order``).
+        here = after((sides[side], meta["cols"][side]), state if n else stats)
         if side.startswith("b"):  # a bank's blocks travel for the rows' gradient alone
             bank = functools.partial(_bank_visit, spec, block, sides, scale, meta, stats, g, side)
             state = around(bank, here, state, axis_name)
@@ -101,6 +103,7 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
                                    axis_name)  # fmt: skip
         dx, dy, dscale = state
         state = (dx + home, dy, dscale) if side == "x" else (dx, dy + home, dscale)
+        state = after(state, home)  # the block's gradient home before any later collective
     dx, dy, dscale = state
     dx, dscale = after((dx, dscale), dy)  # every ppermute before the scalars' psum
     dscale = after(dscale, dx)

@@ -1,4 +1,4 @@
-"""``sigmoid_loss`` with ids: duplicate rows are not counted as negatives, in every form.
+"""``sigmoid_loss`` and ``clip_loss`` with ids: duplicates are not negatives, in every form.
 
 Each case is compared, value and gradients (rows, ``logit_scale``, ``logit_bias``),
 with a float64 dense reference written out here; across 8 devices the batch is split
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax.losses import sigmoid_loss
+from gc_jax.losses import clip_loss, sigmoid_loss
 
 D, N_LOCAL, DIM = 8, 4, 6
 N = D * N_LOCAL
@@ -183,3 +183,65 @@ def test_ids_that_are_not_integers_are_named():
         sigmoid_loss(x, y, 0.0, 0.0, query_ids=qid.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"doc_ids must hold one id per row of y"):
         sigmoid_loss(x, y, 0.0, 0.0, doc_ids=qid[:3])
+
+
+def _clip_reference(x, y, logit_scale, qid, pid):
+    """Float64 CLIP: both directions' InfoNCE with the same-id pairs (not i == j) dropped."""
+    z = jnp.exp(logit_scale) * x @ y.T
+    same = jnp.zeros(z.shape, bool)
+    for ids in (qid, pid):
+        if ids is not None:
+            same |= (ids[:, None, :] == ids[None, :, :]).all(-1)
+    keep = ~same | jnp.eye(len(x), dtype=bool)
+    masked = jnp.where(keep, z, -jnp.inf)
+    diag = jnp.diag(z)
+    x_to_y = jax.nn.logsumexp(masked, axis=1) - diag
+    y_to_x = jax.nn.logsumexp(masked, axis=0) - diag
+    return jnp.mean((x_to_y + y_to_x) / 2)
+
+
+def _clip_want(x, y, logit_scale, qid, pid):
+    with jax.enable_x64():
+        f = lambda x, y, s: _clip_reference(x, y, s, qid, pid)
+        args = (jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64), jnp.float64(logit_scale))
+        value, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(*args)
+        return np.asarray(value), [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_clip_ids_one_device(block_size):
+    x, y, qid, pid = _data(4)
+
+    def loss(x, y, s):
+        return clip_loss(x, y, s, query_ids=qid, doc_ids=pid, block_size=block_size)
+
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, y, 0.7)
+    _check(got, _clip_want(x, y, 0.7, qid, pid))
+
+
+def test_clip_without_ids_is_unchanged():
+    x, y, _, _ = _data(5)
+    got = jax.jit(jax.value_and_grad(lambda x, y, s: clip_loss(x, y, s), argnums=(0, 1, 2)))
+    _check(got(x, y, 0.7), _clip_want(x, y, 0.7, None, None))
+
+
+@pytest.mark.parametrize("method", ["gather", "ring"])
+def test_clip_ids_shard_map(mesh, method):
+    x, y, qid, pid = _data(6)
+
+    def per_device(x, y, qid, pid, s):
+        def loss(x, y, s):
+            kw = {"query_ids": qid, "doc_ids": pid, "block_size": 2}
+            return clip_loss(x, y, s, axis_name="d", method=method, **kw)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, y, s)
+
+    rows = P("d")
+    f = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, rows, P()),
+        out_specs=(P(), (rows, rows, P())),
+    )
+    got = jax.jit(f)(x, y, qid, pid, jnp.float32(0.7))
+    _check(got, _clip_want(x, y, 0.7, qid, pid))
