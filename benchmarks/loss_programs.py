@@ -13,13 +13,17 @@ copy becomes, in the step, a gradient written over the cache itself).
 Run it in the trees before and after a change: an equal fingerprint is the same
 program. ``--time N`` also runs each form ``N`` times and prints the median wall and
 process-CPU time of a step (CPU time is the steadier figure on a shared machine;
-alternate before/after processes to compare).
+alternate before/after processes to compare). ``--step-rows R`` instead compiles only
+the whole cached steps, at ``R`` pairs (an MLP encoder, chunks of 4,096, blocks of
+1,024), on XLA:CPU and, with ``--tpu v5e:1x1``, for a TPU chip (libtpu's compile-only
+devices: nothing runs).
 
 Usage (from the repository root)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.loss_programs
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m benchmarks.loss_programs --time 5 --json /tmp/after.json
+    python -m benchmarks.loss_programs --step-rows 65536 --tpu v5e:1x1
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--time", type=int, default=0, help="steps to time per form (0: none)")
     p.add_argument("--only", nargs="+", default=None, help="forms to run (default: all)")
+    p.add_argument("--step-rows", type=int, default=0, help="whole steps only, at this size")
+    p.add_argument("--tpu", default=None, help="with --step-rows: also this TPU topology")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -131,23 +137,46 @@ def forms() -> dict:
     return out
 
 
-def _steps(key) -> dict:
-    """Whole cached steps (an MLP encoder, 4,096 pairs, chunks of 512) with each loss."""
-    w = (jax.random.normal(key[0], (32, 128)), jax.random.normal(key[1], (128, 64)))
-    inputs = jax.random.normal(key[2], (2, 4096, 32))
+def _encode(w, rows, key):
+    return jax.numpy.tanh(rows @ w[0]) @ w[1]
 
-    def encode(w, rows, key):
-        return jax.numpy.tanh(rows @ w[0]) @ w[1]
 
-    block = {"block_size": 512}
-    step_losses = {
+def _step_losses(block: int) -> dict:
+    block = {"block_size": block}
+    return {
         "step_contrastive": lambda w, a, b: losses.contrastive_loss(a, b, **block),
         "step_sigmoid": lambda w, a, b: losses.sigmoid_loss(a, b, 2.0, -1.0, **block),
         "step_clip": lambda w, a, b: losses.clip_loss(a, b, 2.0, **block),
     }
+
+
+def step_memory(rows: int, tpu: str | None) -> dict:
+    """Temp bytes of whole cached steps at ``rows`` pairs (128-wide reps), compile only."""
+    w = (jax.ShapeDtypeStruct((64, 256), "float32"), jax.ShapeDtypeStruct((256, 128), "float32"))
+    x = jax.ShapeDtypeStruct((rows, 64), "float32")
+    places = {"cpu": lambda tree: tree}
+    if tpu:
+        from benchmarks import common
+
+        device = common.tpu_devices(tpu)[0]
+        places[tpu] = lambda tree: common.on_device(device, tree)
     out = {}
-    for name, loss in step_losses.items():
-        step = gc_jax.cached_value_and_grad(loss, encode, chunk_size=512)
+    for name, loss in _step_losses(1024).items():
+        step = jax.jit(gc_jax.cached_value_and_grad(loss, _encode, chunk_size=4096))
+        for where, place in places.items():
+            compiled = step.lower(*place((w, x, x))).compile()
+            out[f"{name}_{where}"] = int(compiled.memory_analysis().temp_size_in_bytes)
+            print(f"{name:18s} {where:10s} {out[f'{name}_{where}']:>14,} B", flush=True)
+    return out
+
+
+def _steps(key) -> dict:
+    """Whole cached steps (an MLP encoder, 4,096 pairs, chunks of 512) with each loss."""
+    w = (jax.random.normal(key[0], (32, 128)), jax.random.normal(key[1], (128, 64)))
+    inputs = jax.random.normal(key[2], (2, 4096, 32))
+    out = {}
+    for name, loss in _step_losses(512).items():
+        step = gc_jax.cached_value_and_grad(loss, _encode, chunk_size=512)
         out[name] = (lambda a, b, step=step: step(w, a, b), inputs[0], inputs[1])
     return out
 
@@ -173,6 +202,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rows = {}
     print(f"JAX {jax.__version__}, {jax.device_count()} devices", flush=True)
+    if args.step_rows:
+        rows = step_memory(args.step_rows, args.tpu)
+        if args.json:
+            args.json.write_text(json.dumps({"jax": jax.__version__, "steps": rows}, indent=1))
+        return 0
     for name, (step, a, b) in forms().items():
         if args.only and name not in args.only:
             continue

@@ -73,7 +73,8 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
     zero, g = jnp.zeros((), acc), g / spec.groups
     x, y = sides["x"], sides["y"]
     state = (_tiles.zeros(x, acc, x, y), _tiles.zeros(y, acc, x, y), zero)
-    for n, side in enumerate(_passes(spec)):
+    passes = _passes(spec)
+    for n, side in enumerate(passes):
 
         def visit(here, col_acc, state, own, side=side):
             reps, cols_meta = here
@@ -90,11 +91,14 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
                 dscale = dscale + ds
             return col_acc, (dx, dy, dscale)
 
-        # Each ring starts once the one before is done (its last send included), and the
-        # first once every group's statistic is: with one partition function per
-        # direction, the first ring needs only its own group's, and would otherwise run
-        # beside the forward's later rings (independent collectives, see ``_order``).
-        here = after((sides[side], meta["cols"][side]), state if n else stats)
+        here = (sides[side], meta["cols"][side])
+        if n:  # the next ring starts once the one before is done (its gradient home)
+            here = after(here, state)
+        elif spec.groups > 1 and len(passes) > 1:
+            # With a partition function per direction the first ring needs only its own
+            # group's statistic, and would run beside the forward's later rings
+            # (independent collectives, see ``_order``): it waits for every group's.
+            here = after(here, stats)
         if side.startswith("b"):  # a bank's blocks travel for the rows' gradient alone
             bank = functools.partial(_bank_visit, spec, block, sides, scale, meta, stats, g, side)
             state = around(bank, here, state, axis_name)
@@ -103,7 +107,6 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
                                    axis_name)  # fmt: skip
         dx, dy, dscale = state
         state = (dx + home, dy, dscale) if side == "x" else (dx, dy + home, dscale)
-        state = after(state, home)  # the block's gradient home before any later collective
     dx, dy, dscale = state
     dx, dscale = after((dx, dscale), dy)  # every ppermute before the scalars' psum
     dscale = after(dscale, dx)
