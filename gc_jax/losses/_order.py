@@ -40,3 +40,14 @@ def after(tree: Any, *deps: Any) -> Any:
     total = _total(deps)
     zero = jnp.where(total > jnp.inf, total, 0)
     return jax.tree.map(lambda v: v + zero.astype(v.dtype), tree)
+
+
+def after_on_cpu(tree: Any, *deps: Any) -> Any:
+    """:func:`after` on XLA:CPU, where concurrent collectives may deadlock; ``tree``
+    unchanged elsewhere (the data dependency costs a copy of ``tree``, and the TPU and
+    GPU runtimes order their collectives themselves)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    ordered = jax.lax.platform_dependent(
+        leaves, deps, cpu=lambda v, d: after(v, *d), default=lambda v, d: v
+    )
+    return jax.tree.unflatten(treedef, ordered)

@@ -28,7 +28,7 @@ from gc_jax._base import AxisName
 from gc_jax.losses import _bank, _blockwise, _options, _sweeps, _tiles
 from gc_jax.losses._families import Spec
 from gc_jax.losses._masks import Mask
-from gc_jax.losses._order import after
+from gc_jax.losses._order import after, after_on_cpu
 from gc_jax.losses._ring import around, around_back
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
@@ -98,7 +98,7 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
             # With a partition function per direction the first ring needs only its own
             # group's statistic, and would run beside the forward's later rings
             # (independent collectives, see ``_order``): it waits for every group's.
-            here = after(here, stats)
+            here = after_on_cpu(here, stats)
         if side.startswith("b"):  # a bank's blocks travel for the rows' gradient alone
             bank = functools.partial(_bank_visit, spec, block, sides, scale, meta, stats, g, side)
             state = around(bank, here, state, axis_name)
