@@ -11,6 +11,16 @@ inside the differentiated function). Loss values and the gradients of every inpu
 lays a batch out by columns (all positives, then each negative column), gc_jax by
 query (its ``k`` documents in a row), which the script converts.
 
+MaxSim (late interaction): ``gc_jax.losses.maxsim_loss`` (dense and blockwise) against
+``MultiVectorMultipleNegativesRankingLoss`` (fed by a stand-in model that returns the
+given token vectors and masks) and ``CachedMultiVectorMultipleNegativesRankingLoss``
+(its ``calculate_loss`` on mini-batches of 5 rows), ``scale = 1 / temperature``, on unit
+float64 token vectors with token masks: pairs, hard negatives, a document with no
+unmasked token (-1e9 on both sides) and padded query tokens. sentence-transformers casts
+each query token's best match to float32 before summing them (its scores are float32
+whatever the input), so each loss also runs with that one cast removed from its own
+scoring source ("/float64"): the definitions compared in float64.
+
 Run it where both torch and sentence-transformers 6.2 are installed (NumPy between
 the two sides; JAX with float64)::
 
@@ -21,6 +31,7 @@ the two sides; JAX with float64)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -110,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[5],
         help="gc_jax's blockwise forms compared too (besides the dense one)",
+    )
+    p.add_argument(
+        "--maxsim-temperature",
+        type=float,
+        default=0.2,
+        help="the MaxSim cases' temperature (sentence-transformers' scale = 1 / temperature)",
     )
     p.add_argument("--json", type=str, default=None)
     return p.parse_args(argv)
@@ -202,6 +219,179 @@ def compare(name: str, args: argparse.Namespace, block_size: int | None) -> dict
             "grad_rel_err": grad_err}  # fmt: skip
 
 
+# MaxSim (late interaction): sentence-transformers' MultiVectorMultipleNegativesRankingLoss and
+# its cached variant against maxsim_loss. name: (k, query lengths?, document lengths?, empty doc)
+MAXSIM_CASES = {
+    "MaxSim, pairs": (1, False, False, None),
+    "MaxSim, 2 hard negatives, padded documents": (3, False, True, None),
+    "MaxSim, an empty hard negative": (3, False, True, (5, 2)),
+    "MaxSim, padded query tokens": (3, True, True, None),
+    "MaxSim, an empty positive": (1, True, True, (5, 0)),
+}
+QUERY_TOKENS, DOC_TOKENS = 6, 8
+
+
+def maxsim_batch(n: int, dim: int, case: tuple, seed: int = 1) -> dict[str, np.ndarray]:
+    """Unit token vectors [n, T, dim] and [n, k, S, dim] (positives near their query's
+    tokens, hard negatives nearer than the others) and 0/1 token masks."""
+    k, ragged_q, ragged_d, empty = case
+    rng = np.random.default_rng(seed)
+    unit = lambda v: v / np.linalg.norm(v, axis=-1, keepdims=True)
+    q = unit(rng.normal(size=(n, QUERY_TOKENS, dim)))
+    docs = rng.normal(size=(n, k, DOC_TOKENS, dim))
+    docs[:, 0, :QUERY_TOKENS] = q + 0.7 * docs[:, 0, :QUERY_TOKENS]
+    docs[:, 1:, :QUERY_TOKENS] = q[:, None] + 1.5 * docs[:, 1:, :QUERY_TOKENS]
+    lengths = lambda size, low, high: rng.integers(low, high + 1, size=size)[..., None]
+    q_mask = np.ones((n, QUERY_TOKENS), bool)
+    if ragged_q:  # padding at the end of each query, as a tokenizer's
+        q_mask = np.arange(QUERY_TOKENS) < lengths(n, 2, QUERY_TOKENS)
+    d_mask = np.ones((n, k, DOC_TOKENS), bool)
+    if ragged_d:
+        d_mask = np.arange(DOC_TOKENS) < lengths((n, k), 3, DOC_TOKENS)
+    if empty is not None:
+        d_mask[empty] = False  # a document with no unmasked token
+    return {"q": q, "docs": unit(docs), "q_mask": q_mask, "d_mask": d_mask}
+
+
+class _GivenTokens:
+    """A stand-in MultiVectorEncoder: column ``c`` of the features gives those token vectors."""
+
+    def __init__(self, tokens: list, masks: list):
+        self.tokens, self.masks = tokens, masks
+
+    def __call__(self, features: dict, task: str | None = None) -> dict:
+        c = features["column"]
+        return {"token_embeddings": self.tokens[c], "attention_mask": self.masks[c]}
+
+
+def _float64_scores():
+    """sentence-transformers' own MaxSim scoring with its one float32 cast removed
+    (``.max(dim=-1).values.float()``, ahead of the sum over query tokens)."""
+    import inspect
+    import textwrap
+
+    from sentence_transformers.util import similarity
+
+    source = textwrap.dedent(inspect.getsource(similarity._maxsim_score_documents))
+    assert source.count(".values.float()") == 1, "sentence-transformers' MaxSim changed"
+    namespace = dict(vars(similarity))
+    exec(source.replace(".values.float()", ".values"), namespace)
+    return namespace["_maxsim_score_documents"]
+
+
+def st_maxsim(data: dict, temperature: float, variant: str) -> tuple[float, list[np.ndarray]]:
+    """sentence-transformers' multi-vector MNRL (``variant`` "mnrl" or "cached", with
+    "/float64" for its scores in float64): the loss and the gradients of [q, docs]."""
+    import contextlib
+
+    import torch
+    from sentence_transformers.multi_vector_encoder import losses
+    from sentence_transformers.util import similarity
+
+    kind, _, precision = variant.partition("/")
+    k = data["docs"].shape[1]
+    q = torch.tensor(data["q"], dtype=torch.float64, requires_grad=True)
+    docs = torch.tensor(data["docs"], dtype=torch.float64, requires_grad=True)
+    tokens = [q] + [docs[:, c] for c in range(k)]
+    masks = [torch.tensor(data["q_mask"])] + [torch.tensor(data["d_mask"][:, c]) for c in range(k)]
+    patch = contextlib.nullcontext()
+    if precision == "float64":
+        patch = _patched(similarity, "_maxsim_score_documents", _float64_scores())
+    with patch:
+        if kind == "mnrl":
+            loss_fn = losses.MultiVectorMultipleNegativesRankingLoss(
+                _GivenTokens(tokens, masks), scale=1 / temperature
+            )
+            loss = loss_fn([{"column": c} for c in range(k + 1)])
+        else:  # the cached loss's scoring and loss on mini-batches of 5 rows
+            loss_fn = losses.CachedMultiVectorMultipleNegativesRankingLoss(
+                None, scale=1 / temperature, mini_batch_size=5
+            )
+            chunk = lambda t: [t[i : i + 5] for i in range(0, len(t), 5)]
+            loss = loss_fn.calculate_loss([chunk(t) for t in tokens], [chunk(m) for m in masks])
+        loss.backward()
+    return loss.detach().item(), [q.grad.numpy(), docs.grad.numpy()]
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def gc_jax_maxsim(
+    data: dict, temperature: float, block_size: int | None
+) -> tuple[float, list[np.ndarray]]:
+    """maxsim_loss's loss and gradients of [q, docs] (documents by query, as there)."""
+    import jax.numpy as jnp
+
+    from gc_jax.losses import maxsim_loss
+
+    n, k = data["docs"].shape[:2]
+    flat = lambda a: jnp.asarray(a.reshape(n * k, *a.shape[2:]))
+    q_mask, d_mask = jnp.asarray(data["q_mask"]), flat(data["d_mask"])
+
+    def loss(q, d):
+        return maxsim_loss(
+            q, d, q_mask=q_mask, d_mask=d_mask, temperature=temperature, block_size=block_size
+        )
+
+    value, (dq, dd) = jax.jit(jax.value_and_grad(loss, (0, 1)))(
+        jnp.asarray(data["q"]), flat(data["docs"])
+    )
+    return float(value), [np.asarray(dq), np.asarray(dd).reshape(data["docs"].shape)]
+
+
+def compare_maxsim(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every MaxSim case: each sentence-transformers form against each gc_jax form."""
+    rows = []
+    for name, case in MAXSIM_CASES.items():
+        data = maxsim_batch(args.rows, args.dim, case)
+        gc = {b: gc_jax_maxsim(data, args.maxsim_temperature, b) for b in (None, *args.block_sizes)}
+        for variant in ("mnrl", "mnrl/float64", "cached", "cached/float64"):
+            st_value, st_grads = st_maxsim(data, args.maxsim_temperature, variant)
+            for block_size, (gc_value, gc_grads) in gc.items():
+                pairs = list(zip(gc_grads, st_grads, strict=True))
+                rows.append({
+                    "case": name, "k": case[0], "sentence_transformers_loss": variant,
+                    "block_size": block_size, "sentence_transformers": st_value,
+                    "gc_jax": gc_value, "value_abs_err": abs(gc_value - st_value),
+                    "value_rel_err": abs(gc_value - st_value) / abs(st_value),
+                    "grad_abs_err": max(float(np.abs(a - b).max()) for a, b in pairs),
+                    "grad_rel_err": max(
+                        float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in pairs
+                    ),
+                })  # fmt: skip
+    return rows
+
+
+def print_maxsim(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The MaxSim table, and the worst errors per sentence-transformers form."""
+    print(f"\nMaxSim: {args.rows} queries of {QUERY_TOKENS} tokens, documents of {DOC_TOKENS} "
+          f"tokens, {args.dim}-d unit float64 token vectors, temperature "
+          f"{args.maxsim_temperature} (scale {1 / args.maxsim_temperature:g})\n")  # fmt: skip
+    print("| case | k | sentence-transformers loss | gc_jax form | sentence-transformers | "
+          "gc_jax | value abs. / rel. err | grads max abs. / rel. err |")  # fmt: skip
+    print("|---|---:|---|---|---:|---:|---:|---:|")
+    rows = compare_maxsim(args)
+    for r in rows:
+        form = "dense" if r["block_size"] is None else f"block_size={r['block_size']}"
+        print(f"| {r['case']} | {r['k']} | {r['sentence_transformers_loss']} | {form} | "
+              f"{r['sentence_transformers']:.12f} | {r['gc_jax']:.12f} | "
+              f"{r['value_abs_err']:.1e} / {r['value_rel_err']:.1e} | "
+              f"{r['grad_abs_err']:.1e} / {r['grad_rel_err']:.1e} |")  # fmt: skip
+    for variant in ("mnrl", "mnrl/float64", "cached", "cached/float64"):
+        of = [r for r in rows if r["sentence_transformers_loss"] == variant]
+        print(f"worst against {variant}: value rel. {max(r['value_rel_err'] for r in of):.1e}, "
+              f"grads rel. {max(r['grad_rel_err'] for r in of):.1e}, "
+              f"grads abs. {max(r['grad_abs_err'] for r in of):.1e}")  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     jax.config.update("jax_enable_x64", True)
@@ -225,9 +415,11 @@ def main(argv: list[str] | None = None) -> None:
     agree = [r for r in rows if r["case"] not in DIFFERS]
     worst = max(max(r["value_rel_err"], r["grad_rel_err"]) for r in agree)
     print(f"\nworst relative error where the definitions agree: {worst:.1e}")
+    maxsim_rows = print_maxsim(args)
     if args.json:
         result = {"command": common.command("peer_sentence_transformers", sys.argv[1:]),
                   "machine": common.machine(), "args": vars(args), "cases": rows,
+                  "maxsim_cases": maxsim_rows,
                   "sentence_transformers": sentence_transformers.__version__}  # fmt: skip
         common.write_json(common.ROOT / args.json, result)
         print(f"wrote {args.json}")
