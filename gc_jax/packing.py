@@ -49,7 +49,7 @@ from gc_jax._chunks.token_rows import MASK
 IMPLEMENTATIONS = ("xla", "blocked", "splash")
 # The shares of a chunk's (query block, key block) pairs a "blocked" attention has a
 # compiled branch for; more pairs than the largest share take the dense form.
-_PAIR_SHARES = (1 / 8, 1 / 4, 1 / 2)
+_PAIR_SHARES = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 
 
 def is_packed(chunk: Any) -> bool:
@@ -150,9 +150,9 @@ def attention(
 
     The same outputs as masking dense scores with :func:`attention_mask` at every
     token of a row (the tokens outside every row, a packed line's padding, get
-    finite outputs of their own, which pooling ignores), without computing the
-    score blocks that mix rows: a packed line's attention costs about the sum of
-    its rows' squared lengths, not the line's.
+    finite outputs of their own, which pooling ignores). The ``"blocked"`` form
+    computes no score block that mixes rows: a packed line's attention then costs
+    about the sum of its rows' squared lengths (in blocks), not the line's.
 
     Args:
       query, key, value: ``[lines, L, heads, head_dim]`` (as
@@ -160,11 +160,13 @@ def attention(
       chunk: the chunk the encoder receives, packed or not.
       mask: the key of the token mask in ``chunk``.
       implementation: ``"xla"`` (dense scores, masked), ``"blocked"`` (only the
-        ``block_size`` x ``block_size`` score blocks that pair a row with itself; a
-        compiled branch per share of the blocks, chosen per chunk), ``"splash"`` (TPU
-        only: Pallas splash attention with segment ids, which skips the blocks
-        fully masked) or None: splash on TPU where the shapes allow (``L`` a
-        multiple of 128), else xla. On XLA:CPU ``"blocked"`` measured slower than
+        ``block_size`` x ``block_size`` score blocks that pair a row with itself, and
+        padding with its own block; a compiled branch per share of the blocks, chosen
+        per chunk: the FLOPs follow the rows' lengths), ``"splash"`` (TPU only: Pallas
+        splash attention with segment ids; fused, no ``L x L`` scores in memory, but
+        every block of a line computed: splash skips only the blocks of its static
+        mask, and segment ids are data) or None: splash on TPU where the shapes allow
+        (``L`` a multiple of 128), else xla. On XLA:CPU ``"blocked"`` measured slower than
         ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips; see
         BENCHMARKS.md), so it is never chosen for you.
       block_size: the blocked form's block length.
@@ -221,21 +223,36 @@ def _dense(query, key, value, query_ids, key_ids):
 def _blocked(query, key, value, query_ids, key_ids, block):
     """Only the score blocks whose queries and keys share a segment, gathered into a
     list of at most a share of all the chunk's blocks (a branch per share)."""
-    lines, length = query.shape[:2]
-    n = length // block
-    width = query_ids.shape[1]  # segment ids are below L + 1
-    has = lambda ids: jax.nn.one_hot(
-        jnp.minimum(ids, width), width + 1, dtype=jnp.bfloat16
-    ).reshape(lines, n, block, -1).max(2)  # fmt: skip
-    pairs = jnp.einsum("lis,ljs->lij", has(query_ids), has(key_ids),
-                       preferred_element_type=jnp.float32) > 0  # fmt: skip
-    total = lines * n * n
-    caps = [max(1, int(total * share)) for share in _PAIR_SHARES]
+    pairs = _pairs(query_ids, key_ids, block)
+    caps = _caps(pairs.size)
     branches = [lambda *a, cap=cap: _block_pairs(*a, block=block, cap=cap) for cap in caps] + [
         lambda q, k, v, qi, ki, pairs: _dense(q, k, v, qi, ki)
     ]
     which = jnp.searchsorted(jnp.asarray(caps), jnp.sum(pairs))
     return jax.lax.switch(which, branches, query, key, value, query_ids, key_ids, pairs)
+
+
+def _pairs(query_ids: jax.Array, key_ids: jax.Array, block: int) -> jax.Array:
+    """Which (query block, key block) pairs of each line to compute, ``bool[lines, n, n]``
+    (``n = L // block``): those holding a query and a key of one row, and the diagonal.
+
+    Padding (segment 0) attends only within its own block: its outputs are finite (each
+    padding query is a key of its block) and reach no row's token, so a line's padding
+    costs its diagonal blocks, not every pair of them.
+    """
+    lines, length = query_ids.shape
+    has = lambda ids: jax.nn.one_hot(  # segment ids are below L + 1; 0 (padding) dropped
+        jnp.minimum(ids, length) - 1, length, dtype=jnp.bfloat16
+    ).reshape(lines, length // block, block, -1).max(2)  # fmt: skip
+    same = jnp.einsum("lis,ljs->lij", has(query_ids), has(key_ids),
+                      preferred_element_type=jnp.float32) > 0  # fmt: skip
+    return same | jnp.eye(length // block, dtype=bool)
+
+
+def _caps(total: int) -> list[int]:
+    """The most block pairs each of the blocked form's branches computes (the last
+    branch, past every cap, is the dense form)."""
+    return [max(1, int(total * share)) for share in _PAIR_SHARES]
 
 
 def _block_pairs(query, key, value, query_ids, key_ids, pairs, *, block, cap):

@@ -82,12 +82,15 @@ def test_matches_dense_masked_scores(name, implementation, block):
 
 def test_blocked_skips_blocks_across_rows():
     """With many short rows the blocks pairing a row with itself are an eighth of the
-    chunk's: the smallest branch runs, at a fraction of the dense FLOPs."""
+    chunk's: the branch for an eighth runs, at a fraction of the dense FLOPs."""
     chunk = packed_chunk([[8] * 8] * 6, 64)
     ids = packing.segment_ids(chunk)
     x = jax.ShapeDtypeStruct((6, 64, HEADS, DIM), jnp.float32)
-    pairs = jnp.eye(8, dtype=bool)[None].repeat(6, 0)  # [lines, query block, key block]
-    cap = int(pairs.size * packing._PAIR_SHARES[0])
+    pairs = packing._pairs(*ids, 8)  # [lines, query block, key block]
+    chex.assert_trees_all_equal(pairs, jnp.eye(8, dtype=bool)[None].repeat(6, 0))
+    caps = packing._caps(pairs.size)
+    cap = caps[int(np.searchsorted(caps, int(jnp.sum(pairs))))]
+    assert cap == pairs.size // 8
     sparse = lambda q, k, v: packing._block_pairs(q, k, v, *ids, pairs, block=8, cap=cap)
     flops = lambda f: jax.jit(f).lower(x, x, x).cost_analysis()["flops"]
     assert flops(sparse) < 0.3 * flops(lambda q, k, v: packing._dense(q, k, v, *ids))
