@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--segments", type=int, default=16, help="--data: rows per line at most")
     p.add_argument("--block-size", type=int, default=32, help="--data: the blocked form's blocks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-rounds", type=int, default=0,
+                   help="--data: also time xla and blocked on XLA:CPU, rounds")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -134,6 +136,34 @@ def row_flops(args, device, length: int, cache: dict) -> float:
     return cache[length]
 
 
+def cpu_times(args, chunks: list, padded: int) -> dict:
+    """CPU seconds (process time) of the value and gradient of every chunk's attention,
+    ``"xla"`` and ``"blocked"`` interleaved, over ``--cpu-rounds`` rounds after a warm-up."""
+    cpu = jax.devices("cpu")[0]
+    shape = (3, args.lines, padded, args.heads, args.head_dim)
+    q, k, v = jax.device_put(jax.random.normal(jax.random.key(0), shape), cpu)
+
+    def step(implementation):
+        def total(q, k, v, ids):
+            chunk = {"attention_mask": (ids > 0).astype(jnp.int32), "segment_ids": ids}
+            out = packing.attention(q, k, v, chunk, implementation=implementation,
+                                    block_size=args.block_size)  # fmt: skip
+            return jnp.sum(out**2)
+
+        return jax.jit(jax.value_and_grad(total, (0, 1, 2)))
+
+    steps = {name: step(name) for name in ("xla", "blocked")}
+    times = {name: [] for name in steps}
+    for r in range(args.cpu_rounds + 1):
+        for name, fn in steps.items():
+            start = time.process_time()
+            for ids in chunks:
+                jax.block_until_ready(fn(q, k, v, jax.device_put(ids, cpu)))
+            if r:  # round 0 compiles
+                times[name].append(time.process_time() - start)
+    return times
+
+
 def held_out(args, device) -> None:
     """The packed step's attention FLOPs on a held-out batch, per ``--scale``."""
     rows_cache = {}
@@ -157,6 +187,10 @@ def held_out(args, device) -> None:
               f"taken {taken} (of {len(branches)})")  # fmt: skip
         print(f"    dense lines {dense:.3e}, blocked {blocked:.3e} ({blocked / dense:.2f} of "
               f"dense), rows alone {own:.3e} ({own / dense:.2f} of dense)", flush=True)  # fmt: skip
+        if args.cpu_rounds:
+            for name, t in cpu_times(args, chunks, padded).items():
+                print(f"    XLA:CPU, {name}: {np.median(t):.3f} CPU s a batch "
+                      f"({min(t):.3f}-{max(t):.3f}, {len(t)} rounds)", flush=True)  # fmt: skip
 
 
 def compile_one(args, device, implementation: str, row: int) -> dict:
