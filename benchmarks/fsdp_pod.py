@@ -295,8 +295,8 @@ def report(args) -> None:
     """A table of every fitting point in the results, with its roofline estimate."""
     for p in json.loads(RESULTS.read_text()):
         if not p.get("fits"):
-            print(f"{p['size']} {p['topology']} {p['step']} {p['pairs']}: does not fit "
-                  f"({p['temp_gib']} GiB temp)")  # fmt: skip
+            print(f"{p['size']} {p['topology']} {p['step']} pairs {p['pairs']} "
+                  f"chunk {p['chunk']}: does not fit ({p['temp_gib']} GiB temp)")  # fmt: skip
             continue
         r = roofline(p, args)
         bound = "compute" if r["compute_s"] >= r["communication_s"] else "communication"
