@@ -207,6 +207,40 @@ def test_a_keras_hub_backbone_with_fsdp_weights(axis_type):
     assert "axis_types=(AxisType.Auto,)" in notes, notes
 
 
+def test_keras_distribution_api_shards_a_keras_hub_backbone():
+    """Keras's own FSDP: ``ModelParallel`` with a ``LayoutMap`` shards the backbone's
+    weights over ``data`` as it builds them; gc_jax then runs over that mesh (auto
+    axes), exactly."""
+    keras_hub = pytest.importorskip("keras_hub")
+    devices = keras.distribution.list_devices()
+    assert len(devices) >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    mesh = keras.distribution.DeviceMesh((8,), ["data"], devices[:8])
+    layout = keras.distribution.LayoutMap(mesh)
+    layout[".*token_embedding.*embeddings"] = ("data", None)
+    layout[".*(query|key|value).*kernel"] = ("data", None, None)
+    layout[".*feedforward.*kernel"] = ("data", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout))
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras_hub.models.BertBackbone(
+            vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
+            max_sequence_length=16, dropout=0.0,
+        )  # fmt: skip
+    finally:
+        keras.distribution.set_distribution(None)
+    encode, params = gc_jax.keras_encoder(model, get_rep=lambda o: o["pooled_output"])
+    sharded = [k for k, v in params.items() if not v.sharding.is_fully_replicated]
+    assert len(sharded) >= 8, sharded  # embeddings, attention and feed-forward kernels
+    mesh = params[sharded[0]].sharding.mesh
+    q, d = token_batch(32, seed=1), token_batch(32, seed=2)
+    full = lambda p: loss(p, encode(p, q, None), encode(p, d, None))
+    want = jax.jit(jax.value_and_grad(full))(jax.device_get(params))
+    q, d = jax.device_put((q, d), NamedSharding(mesh, P("data")))
+    step = jax.jit(gc_jax.cached_value_and_grad(loss, encode, chunk_size=2, batch_axis="data"))
+    with jax.set_mesh(mesh):
+        chex.assert_trees_all_close(step(params, q, d), want, **TOL)
+
+
 def test_make_train_step_optax_loop_matches_full_batch_and_writes_back():
     model = functional_model()
     encode, params = gc_jax.keras_encoder(model)
