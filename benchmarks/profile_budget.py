@@ -46,7 +46,7 @@ from benchmarks.example_modules import dual_encoder
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", choices=["heldout", "heldout2"], default="heldout")
+    parser.add_argument("--data", choices=["heldout", "heldout2", "heldout3"], default="heldout")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--setting", default="fitted", help="the budget: fitted, fitted+flops")
     return parser.parse_args(argv)
@@ -169,8 +169,8 @@ def main(argv=None) -> None:
     vocab, all_batches = token_budget.lognormal_batches(data, data.fit_batches + 1)
     fit, batch = all_batches[:-1], all_batches[-1]
     config = dual_encoder.tiny_config(vocab, data.document_length)
-    if args.data == "heldout2":
-        config = dataclasses.replace(config, **token_budget.HELDOUT2_WIDTH)
+    if args.data in token_budget.WIDTHS:
+        config = dataclasses.replace(config, **token_budget.WIDTHS[args.data])
     model = token_budget.Encoder(config, rngs=nnx.Rngs(0))
     params = dual_encoder.initial_params(model)
     print(common.machine())

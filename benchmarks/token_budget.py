@@ -34,7 +34,14 @@ pairs; the data (``--data``):
   from a bimodal mixture (65 % log-normal, median 48, sigma 0.5; 35 % uniform from
   160 to 384 tokens): about two thirds of the padded tokens are padding, and
   attention is half of the long chunks' FLOPs (``n / (6 d) = 1`` at 384). Its
-  settings are ``heldout``'s (``--settings`` picks some).
+  settings are ``heldout``'s (``--settings`` picks some);
+* ``heldout3``: a third held-out shape, fixed before it was measured (session 15), at
+  the issue's 75 % padding: a 2-layer encoder of width d = 64 with 4 heads of 16
+  (feed-forward 256), batch 224, ``R = 28`` rows, queries padded to 40 tokens with
+  lengths uniform from 3 to 24, documents padded to 448 tokens with gamma lengths
+  (shape 1.5, scale 70: median 83, 90th percentile 219): 75.8 % of the padded
+  tokens are padding (10^6 draws), and attention outweighs the dense layers from 384
+  tokens on. Its settings are ``heldout``'s.
 
 Settings: ``rows``: ``chunk_size=--chunk`` rows (default: ``--tokens`` over the documents'
 padded length, so a chunk holds as many tokens as a budget chunk); ``tokens``: per input
@@ -85,7 +92,11 @@ from gc_jax import packing
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--data", choices=["example", "lognormal", "heldout", "heldout2"], default="lognormal")
+    add(
+        "--data",
+        choices=["example", "lognormal", "heldout", "heldout2", "heldout3"],
+        default="lognormal",
+    )
     add("--batch", type=int, default=256, help="pairs per step")
     add("--query-length", type=int, default=64, help="the queries' padded length")
     add("--document-length", type=int, default=512, help="the documents' padded length")
@@ -93,7 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--sigma", type=float, help="lognormal: sigma of the log length (0.8; heldout 0.75)")
     add("--medians", type=float, nargs=2, default=(20, 90), metavar=("QUERY", "DOCUMENT"),
         help="heldout: median lengths in tokens")  # fmt: skip
-    add("--chunk-rows", type=int, help="heldout: rows R of a chunk, budget R * L (32; heldout2 24)")
+    add(
+        "--chunk-rows",
+        type=int,
+        help="heldout: rows R of a chunk, budget R * L (32; heldout2 24, heldout3 28)",
+    )
     add("--settings", nargs="+", help="heldout: only these settings (rows always)")
     add("--tokens", type=int, default=4096, help="the token budget of a chunk")
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
@@ -114,14 +129,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sigma is None:
         args.sigma = 0.75 if args.data == "heldout" else 0.8
     if args.chunk_rows is None:
-        args.chunk_rows = 24 if args.data == "heldout2" else 32
+        args.chunk_rows = {"heldout2": 24, "heldout3": 28}.get(args.data, 32)
     if args.data == "heldout2":  # the second held-out shape (see the module's docstring)
         args.batch, args.query_length, args.document_length = 192, 48, 384
+    if args.data == "heldout3":  # the third
+        args.batch, args.query_length, args.document_length = 224, 40, 448
     return args
 
 
 HELDOUT2_WIDTH = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
                   "intermediate_size": 256}  # fmt: skip
+
+
+HELDOUT3_WIDTH = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "intermediate_size": 256}  # fmt: skip
+WIDTHS = {"heldout2": HELDOUT2_WIDTH, "heldout3": HELDOUT3_WIDTH}
+
+
+def heldout3_lengths(rng, rows: int, padded: int, query: bool) -> np.ndarray:
+    """``heldout3``'s lengths: uniform queries (3 to 24), gamma documents (1.5, 70)."""
+    if query:
+        return np.minimum(rng.integers(3, 25, rows), padded)
+    return np.clip(np.round(rng.gamma(1.5, 70.0, rows)), 1, padded)
 
 
 def heldout2_lengths(rng, rows: int, padded: int, query: bool) -> np.ndarray:
@@ -162,8 +191,9 @@ def lognormal_batches(args, count: int) -> tuple[int, list]:
         median = args.medians[i] if heldout else args.median * padded
         length = rng.lognormal(np.log(median), args.sigma, args.batch)
         length = np.clip(np.round(length), 1, padded).astype(np.int32)
-        if args.data == "heldout2":
-            length = heldout2_lengths(rng, args.batch, padded, i == 0).astype(np.int32)
+        if args.data in ("heldout2", "heldout3"):
+            draw = heldout2_lengths if args.data == "heldout2" else heldout3_lengths
+            length = draw(rng, args.batch, padded, i == 0).astype(np.int32)
         mask = (np.arange(padded)[None] < length[:, None]).astype(np.int32)
         ids = rng.integers(1, dual_encoder.TINY_VOCAB_SIZE, mask.shape, dtype=np.int32)
         return {"input_ids": ids * mask, "attention_mask": mask}
@@ -425,8 +455,8 @@ def main(argv=None) -> dict:
     vocab, all_batches = make(args, args.fit_batches + args.batches)
     fit, batches = all_batches[: args.fit_batches], all_batches[args.fit_batches :]
     config = dual_encoder.tiny_config(vocab, args.document_length)
-    if args.data == "heldout2":
-        config = dataclasses.replace(config, **HELDOUT2_WIDTH)
+    if args.data in WIDTHS:
+        config = dataclasses.replace(config, **WIDTHS[args.data])
     model = Encoder(config, rngs=nnx.Rngs(0))
     params = dual_encoder.initial_params(model)
     print(common.machine())
