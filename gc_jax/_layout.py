@@ -168,6 +168,45 @@ def stackable(params: PyTree, layout: Layout) -> bool:
     return not any(uses_batch_axes(p) for p in jax.tree.leaves(params))
 
 
+def chunks_spread(tree: PyTree, params: PyTree, name: str, spanning: bool = False) -> PyTree:
+    """A pre-chunked ``tree`` (``[n_chunk, rows, ...]``) laid out for its encoder.
+
+    Each device holds whole chunks where the chunk axis is split over explicit mesh
+    axes. An encoder that cannot run on each device's chunks alone needs each chunk
+    spread over the devices instead, as under plain ``jit``: where ``params`` are
+    sharded over those axes too (FSDP: the encoder gathers its weights and constrains
+    its rows to them), or where the caller found it does not trace per device
+    (``spanning``). The chunks are then moved from ``P(axes, None)`` to
+    ``P(None, axes)`` (an all-to-all). Anything else: ``tree`` itself.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    layout = next((axis_layout(x) for _, x in leaves if axis_layout(x) is not None), None)
+    if layout is None or layout.kind != "explicit":
+        return tree
+    if stackable(params, layout) and not spanning:
+        return tree
+    why = "the encoder does not run on each device's chunks alone"
+    if not spanning:
+        why = "the params are sharded over those axes too (FSDP)"
+    for path, x in leaves:
+        if x.ndim < 2 or x.shape[1] % layout.shards:
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} has shape {tuple(x.shape)}: its "
+                f"chunk axis is split over the explicit mesh axes {layout.axes!r} and {why}, "
+                f"so each chunk's rows must be split over those {layout.shards} devices, "
+                f"which {layout.shards} must divide; use fewer, larger chunks "
+                f"(cachex.tree_chunk(batch, n_chunk) with batch_size // n_chunk a multiple "
+                f"of {layout.shards})."
+            )
+
+    def spread(x):
+        rest = (*typed_spec(x)[2:], *(None,) * x.ndim)[: x.ndim - 2]
+        spec = PartitionSpec(None, layout.axes, *rest)
+        return jax.sharding.reshard(x, NamedSharding(layout.mesh, spec))
+
+    return jax.tree.map(spread, tree)
+
+
 def typed_spec(x: jax.Array) -> tuple:
     """The partition spec in ``x``'s type (``jit`` over explicit mesh axes), else ``()``."""
     return tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())

@@ -244,7 +244,7 @@ def _cotangent(rep_grad: PyTree, shapes: PyTree, plan, c) -> PyTree:
         piece = plan.take_cotangent(g, c)
         if piece.ndim > 1 and piece.shape[1] > r.shape[1]:  # a token axis cut to the chunk's
             piece = piece[:, : r.shape[1]]
-        return piece.astype(r.dtype)
+        return _layout.typed_like(piece.astype(r.dtype), r)  # the rows as the encoder split them
 
     return jax.tree.map(one, rep_grad, shapes)
 

@@ -68,8 +68,23 @@ def test_grad_cached_on_a_pre_chunked_batch_sharded_over_chunks():
 
 def test_tree_chunk_names_the_shards_it_needs():
     mesh, _, q, _, _ = setup()
-    with pytest.raises(ValueError, match=r"sharded 8 ways .* n_chunk=4 .* multiple of 8"):
-        jax.jit(lambda b: cachex.tree_chunk(b, 4))(place(mesh, q, P("data")))
+    rows48 = place(mesh, jax.tree.map(lambda x: x[:48], q), P("data"))
+    with pytest.raises(ValueError, match=r"sharded 8 ways .* n_chunk=12 nor the 4 rows"):
+        jax.jit(lambda b: cachex.tree_chunk(b, 12))(rows48)
+
+
+def test_fewer_chunks_than_devices_are_spread_over_them():
+    """4 chunks of 16 rows on 8 devices: each chunk's rows split over the devices."""
+    mesh, params, q, d, want = setup()
+    chunked = jax.jit(lambda b: cachex.tree_chunk(b, 4))(place(mesh, q, P("data")))
+    assert chunked["x"].sharding.spec == P(None, "data", None)
+    cached = cachex.grad_cached(fwd, None)
+    enc = lambda p, b: cached(p, cachex.tree_chunk(b, 4))
+    step = jax.jit(jax.value_and_grad(lambda p, q, d: loss(enc(p, q), enc(p, d))))
+    got = step(params, place(mesh, q, P("data")), place(mesh, d, P("data")))
+    chex.assert_trees_all_close(got, want, **TOL)
+    qq, dd = (place(mesh, cachex.tree_chunk(b, 4), P(None, "data")) for b in (q, d))
+    chex.assert_trees_all_close(jax.jit(chunk_encode_cache_grad)(params, qq, dd), want, **TOL)
 
 
 def test_grad_cached_on_a_batch_sharded_within_its_chunks():
@@ -96,6 +111,15 @@ def test_chunk_encode_and_cache_grad_on_a_sharded_batch(spec):
     mesh, params, q, d, want = setup()
     qq, dd = (place(mesh, cachex.tree_chunk(b, 8), spec) for b in (q, d))
     chex.assert_trees_all_close(jax.jit(chunk_encode_cache_grad)(params, qq, dd), want, **TOL)
+
+
+def test_chunk_encode_over_params_placed_on_the_mesh():
+    """``chunk_encode(partial(enc, params))`` closes over params typed on the mesh,
+    which cannot enter each device's program: the chunks are spread over the devices."""
+    mesh, params, q, d, want = setup()
+    qq, dd = (place(mesh, cachex.tree_chunk(b, 8), P("data")) for b in (q, d))
+    got = jax.jit(chunk_encode_cache_grad)(place(mesh, params, P()), qq, dd)
+    chex.assert_trees_all_close(got, want, **TOL)
 
 
 def test_chunk_encode_and_cache_grad_unsharded():

@@ -17,6 +17,7 @@ unsharded batch.
 """
 
 import contextlib
+import functools
 import os
 import re
 
@@ -392,19 +393,62 @@ def test_an_fsdp_encoder(entry, explicit):
         check_grads_placed(got[1], placed)  # jit's (replicated here); out_shardings decide
 
 
-def test_an_fsdp_encoder_through_the_cachex_port_under_auto_axes():
-    """The original's port, pre-chunked (8 chunks, one per device). Under explicit axes
-    its chunk axis is typed as sharded over ``data``, so an encoder that also constrains
-    its rows to ``data`` asks for one axis twice, as ``vmap`` over the chunks would in
-    plain JAX; under auto axes it is exact."""
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+def _three_calls(encode, n_chunk):
+    """The original's three-call form: ``chunk_encode`` over bound params, the loss on
+    the caches, ``cache_grad``."""
+    enc = lambda params, ids: encode(params, {"ids": ids}, None)
+
+    def step(p, q, d):
+        qq, dd = (cachex.tree_chunk(b, n_chunk) for b in (q, d))
+        reps = [cachex.chunk_encode(functools.partial(enc, p))(**b) for b in (qq, dd)]
+        loss_of = cachex.unchunk_args(axis=0, argnums=(1, 2))(loss_fn)
+        value, gs = jax.value_and_grad(loss_of, argnums=(1, 2))(p, *reps)
+        grads = jax.tree.map(jnp.zeros_like, p)
+        for g, b in zip(gs, (qq, dd), strict=True):
+            grads = cachex.cache_grad(enc)(p, grads, g, **b)
+        return value, grads
+
+    return jax.jit(step)
+
+
+def _cachex_fsdp(explicit: bool, n_chunk: int, rows: int, three_calls: bool = False):
+    """The original's port on an FSDP encoder: ``rows`` query and passage rows cut into
+    ``n_chunk`` chunks of the batch as placed (split over ``data``)."""
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    ids = jax.random.randint(jax.random.key(3), (rows, TOKENS), 0, VOCAB)
+    batches = {"ids": ids}, {"ids": (ids * 7 + 3) % VOCAB}
     params = fsdp_params()
-    want = reference(fsdp_encoder(False, sharded=False), params, *_dicts())
+    want = reference(fsdp_encoder(False, sharded=False), params, *batches)
     placed = jax.tree.map(lambda v, s: put(mesh, v, s), params, FSDP_SPECS)
-    q, d = ({"ids": put(mesh, x, P("data"))} for x in ids_pair())
+    fwd = cachex.grad_cached(lambda p, x: fsdp_encoder(explicit)(p, x, None), None)
+    chunked = lambda p, x: fwd(p, cachex.tree_chunk(x, n_chunk))
+    step = jax.jit(jax.value_and_grad(lambda p, q, d: loss_fn(p, chunked(p, q), chunked(p, d))))
+    if three_calls:
+        step = _three_calls(fsdp_encoder(explicit), n_chunk)
     with jax.set_mesh(mesh):
-        got = _cachex(fsdp_encoder(False))(placed, q, d)
+        return step(placed, *(put(mesh, b, P("data")) for b in batches)), want
+
+
+@pytest.mark.parametrize(
+    "explicit, n_chunk, rows, three_calls",
+    [(False, 8, ROWS, False), (True, 8, 64, False), (True, 4, 64, False), (True, 8, 64, True)],
+    ids=["auto", "explicit-chunks-moved", "explicit-chunks-spread-by-tree_chunk", "three-calls"],
+)
+def test_an_fsdp_encoder_through_the_cachex_port(explicit, n_chunk, rows, three_calls):
+    """Under explicit axes, 8 chunks of a batch split over ``data`` lie one per device;
+    the encoder constrains each chunk's rows to ``data``, so ``grad_cached`` (and the
+    three-call form) spreads every chunk over the devices first (params sharded over
+    ``data``). With 4 chunks ``tree_chunk`` spreads them itself. Under auto axes it is
+    exact as written."""
+    got, want = _cachex_fsdp(explicit, n_chunk, rows, three_calls)
     chex.assert_trees_all_close(got, want, rtol=5e-5, atol=5e-6)
+
+
+def test_the_cachex_port_names_chunks_too_small_to_spread_over_fsdp_devices():
+    """8 chunks of 4 rows cannot each be split over 8 devices under explicit axes."""
+    with pytest.raises(ValueError, match=r"batch\['ids'\] has shape \(8, 4, 5\).*FSDP.*larger"):
+        _cachex_fsdp(True, 8, ROWS)
 
 
 def test_local_refuses_parameters_sharded_over_the_batch_axis():

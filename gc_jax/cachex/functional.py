@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _chunked_encoder, _passes, _validation
+from gc_jax import _chunked_encoder, _layout, _passes, _validation
 from gc_jax._base import PyTree
 from gc_jax.cachex.tree_utils import merge_chunks, tree_unchunk
 
@@ -53,10 +53,22 @@ def _input(encode, xx: PyTree, name: str, params: PyTree = ()) -> _passes.Input:
 
     Under ``jit`` over chunks sharded across devices, each device encodes its own
     chunks (``_passes.per_device``), as ``grad_cached`` does through ``chunked_encoder``.
+    Over explicit mesh axes, an encoder that cannot (FSDP params, or arrays on the
+    mesh closed over) gets one chunk at a time spread over the devices instead
+    (``_layout.chunks_spread``).
     """
     _num_chunks(xx, "xx")
+    xx = _layout.chunks_spread(xx, params, "xx")
     inp = _passes.make_input(encode, xx, 1, None, name=name, batch_name="xx")
-    return _passes.per_device([inp], params)[0]
+    if inp.plan.layout.kind != "explicit":
+        return _passes.per_device([inp], params)[0]
+    try:
+        return _passes.per_device([inp], params, "local")[0]
+    except Exception:  # e.g. it closes over arrays on the mesh
+        pass
+    # Not on each device's chunks alone: one chunk at a time, spread over the devices.
+    xx = _layout.chunks_spread(xx, params, "xx", spanning=True)
+    return _passes.make_input(encode, xx, 1, None, name=name, batch_name="xx")
 
 
 def grad_with_cache(f: Callable[..., PyTree], **grad_kwargs: Any) -> Callable[..., PyTree]:
@@ -347,7 +359,7 @@ def grad_cached(
     @functools.wraps(f)
     def cached_f(params, batch):
         _num_chunks(batch, "batch")
-        reps = encode_batch(params, batch)
+        reps = encode_batch(params, _layout.chunks_spread(batch, params, "batch"))
         return jax.tree.map(lambda r: merge_chunks(r, 0), reps)
 
     return cached_f

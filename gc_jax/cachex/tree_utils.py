@@ -63,10 +63,18 @@ def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:
       ``[..., n_chunk, B // n_chunk, ...]``: chunk ``c`` holds rows
       ``c * B // n_chunk`` to ``(c + 1) * B // n_chunk``.
 
+      Under ``jit`` over explicit mesh axes, a leaf whose axis is split ``S`` ways
+      keeps whole chunks on each device when ``S`` divides ``n_chunk`` (the chunk
+      axis split, a free reshape). Otherwise each chunk is spread over the devices
+      (its rows split, an all-to-all), which ``S`` must then divide: what an encoder
+      with weights sharded over the batch axes (FSDP) needs, and what
+      :func:`grad_cached` arranges itself for such params.
+
     Raises:
       TypeError: ``n_chunk`` or ``axis`` is not an int, or a leaf is not an array.
-      ValueError: ``n_chunk`` is not positive, a leaf has no axis ``axis``, or
-        ``n_chunk`` does not divide its size.
+      ValueError: ``n_chunk`` is not positive, a leaf has no axis ``axis``,
+        ``n_chunk`` does not divide its size, or a sharded axis can be cut neither
+        into whole chunks per device nor into chunks spread over the devices.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -95,16 +103,25 @@ def tree_chunk(tree: PyTree, n_chunk: int, axis: int = 0) -> PyTree:
                 f"{leaf.shape[ax]}); use a number of chunks that divides the batch size."
             )
         shards = _explicit_shards(leaf, ax)
-        if n_chunk % shards:
+        if n_chunk % shards and (leaf.shape[ax] // n_chunk) % shards:
             raise ValueError(
                 f"axis {axis} of {where} is sharded {shards} ways over explicit mesh axes, "
-                f"which n_chunk={n_chunk} does not divide; use a multiple of {shards} "
-                "chunks (each device then holds whole chunks of its own rows)."
+                f"which neither n_chunk={n_chunk} nor the {leaf.shape[ax] // n_chunk} rows "
+                f"of a chunk divide; use a multiple of {shards} chunks (each device then "
+                f"holds whole chunks of its own rows) or chunks of a multiple of {shards} "
+                "rows (each chunk then spread over the devices)."
             )
 
     def one(x):
         ax = axis + x.ndim if axis < 0 else axis
-        return x.reshape(*x.shape[:ax], n_chunk, x.shape[ax] // n_chunk, *x.shape[ax + 1 :])
+        shape = (*x.shape[:ax], n_chunk, x.shape[ax] // n_chunk, *x.shape[ax + 1 :])
+        if n_chunk % _explicit_shards(x, ax) == 0:
+            return x.reshape(shape)
+        spec = (*_layout.typed_spec(x), *(None,) * x.ndim)[: x.ndim]
+        spread = PartitionSpec(*spec[:ax], None, *spec[ax:])
+        return jax.lax.reshape(
+            x, shape, out_sharding=NamedSharding(jax.typeof(x).sharding.mesh, spread)
+        )
 
     return jax.tree.map(one, tree)
 
@@ -153,14 +170,16 @@ def merge_chunks(x: jax.Array, ax: int) -> jax.Array:
     Under explicit mesh axes, rows split over devices within each chunk (the chunk
     axis not split) are first moved so that each device holds whole chunks (an
     all-to-all); their rows are then a contiguous block of the merged axis, so the
-    reshape keeps the split (JAX cannot infer it for the split inner axis).
+    reshape keeps the split (JAX cannot infer it for the split inner axis). Fewer
+    chunks than devices are merged by the reshape itself, told the split it keeps.
     """
     shape = (*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
     spec = (*_layout.typed_spec(x), *(None,) * x.ndim)[: x.ndim]
     if spec[ax] is not None or spec[ax + 1] is None:
         return x.reshape(shape)
     moved = (*spec[:ax], spec[ax + 1], None, *spec[ax + 2 :])
-    x = _layout.reshard_typed(x, PartitionSpec(*moved))
+    if x.shape[ax] % _explicit_shards(x, ax + 1) == 0:
+        x = _layout.reshard_typed(x, PartitionSpec(*moved))
     out = NamedSharding(
         jax.typeof(x).sharding.mesh, PartitionSpec(*moved[: ax + 1], *moved[ax + 2 :])
     )
