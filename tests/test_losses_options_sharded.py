@@ -67,8 +67,15 @@ def _grads(loss):
     return jax.value_and_grad(loss, (0, 1, 2))
 
 
-@pytest.mark.parametrize(("method", "block_size"), FORMS)
-@pytest.mark.parametrize(("name", "k"), CASES)
+# Every case on the gather and on the ring, each form with three or more cases.
+SHARD_MAP_GRID = [
+    (name, k, *form)
+    for i, (name, k) in enumerate(CASES)
+    for form in (FORMS[i % 2], FORMS[2 + (i + 1) % 2])
+]
+
+
+@pytest.mark.parametrize(("name", "k", "method", "block_size"), SHARD_MAP_GRID)
 def test_shard_map_matches_reference(name, k, method, block_size):
     x, y, static, arrays, want = _case(name, k)
     kw = {"block_size": block_size, "method": method, "axis_name": "d", **static}

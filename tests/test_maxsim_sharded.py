@@ -237,8 +237,9 @@ def test_token_budget_still_rejects_outputs_of_other_lengths():
         step(params, text_batch(20, "uniform", 6))
 
 
-@pytest.mark.parametrize("chunk_size", [3, BUDGET], ids=["rows", "budget"])
-@pytest.mark.parametrize("method", ["gather", "ring"])
+@pytest.mark.parametrize(
+    ("method", "chunk_size"), [("gather", 3), ("ring", BUDGET)], ids=["gather-rows", "ring-budget"]
+)
 def test_cached_value_and_grad_across_devices(mesh, method, chunk_size):
     """shard_map (axis_name) and sharded jit (explicit axes), a plan per device."""
     params = make_params()

@@ -244,8 +244,8 @@ def test_dropout_replayed():
 def test_testing_reference_with_a_budget():
     """gc_jax.testing takes a TokenBudget: with rng its reference replays the budget's
     chunks and keys (gc_jax, which test_dropout_replayed checks against the numpy plan,
-    matches it); without, it encodes the padded batch whole, so it catches an encoder
-    whose outputs change when chunks are trimmed."""
+    matches it), and it catches an encoder whose outputs change when chunks are
+    trimmed (without rng too: ``test_maxsim_sharded``'s reference test)."""
     params = make_params()
     q, d = text_batch(12, "bimodal", 11), text_batch(12, "uniform", 12)
     check = gc_jax.testing.assert_matches_full_batch
@@ -255,9 +255,8 @@ def test_testing_reference_with_a_budget():
         return towers(True)(p, x, key) + p["q"]["emb"][x["input_ids"]].mean((1, 2))[:, None]
 
     trim_error = "trimmed to their bucket's length than at the padded length"
-    for rng in (None, jax.random.key(4)):  # with rng too: the chunks are compared trimmed
-        with pytest.raises(AssertionError, match=trim_error):
-            check(loss_fn, sees_padding, BUDGET, params, q, d, rng=rng, **TOL)
+    with pytest.raises(AssertionError, match=trim_error):  # with rng: compared trimmed
+        check(loss_fn, sees_padding, BUDGET, params, q, d, rng=jax.random.key(4), **TOL)
 
 
 def test_lengths_that_undercount_the_mask_never_trim_a_token():

@@ -257,9 +257,10 @@ def test_mixed_with_a_budget_and_row_chunks():
                                     full_batch(loss_fn, encoders, params, q, d), **TOL)  # fmt: skip
 
 
-def test_dropout_replayed_and_the_testing_helper():
+def test_dropout_replayed_as_the_testing_reference():
     """With a key, each chunk's dropout is replayed in pass 2: the testing reference
-    (packed chunks, differentiably) gives the same gradients, and the helper passes."""
+    (packed chunks, differentiably) gives the same gradients (the helper passes with a
+    key: ``test_the_testing_helper_names_each_broken_packing_rule``)."""
     params, encoders = make_params(), towers(dropout=0.3)
     q, d = text_batch(20, "lognormal", 10), text_batch(20, "uniform", 11)
     rng = jax.random.key(3)
@@ -268,8 +269,6 @@ def test_dropout_replayed_and_the_testing_helper():
     chex.assert_trees_all_close(got, ref(params, q, d, rng=rng), **TOL)
     no_key = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))(params, q, d)
     assert not np.allclose(got[0], no_key[0])  # the key did drop something
-    gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, PACKING, params, q, d, rng=rng,
-                                             **TOL)  # fmt: skip
 
 
 def breaking(mistake):
@@ -310,12 +309,14 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("rng", [None, 3])
-@pytest.mark.parametrize("mistake", sorted(BROKEN))
+@pytest.mark.parametrize(
+    ("mistake", "rng"), [("attention", None), ("pooling", 3), ("positions", 3)]
+)
 def test_the_testing_helper_names_each_broken_packing_rule(mistake, rng):
     """Issue 34 (4): an encoder that breaks one packing rule is refused by the checker,
-    with or without a key, in an error that names that rule and the helper to use;
-    the same encoder with the rule kept passes."""
+    with or without a key (each rule once: the key changes which reference is built,
+    not what the rule's check reads), in an error that names that rule and the helper
+    to use; the same encoder with the rule kept passes."""
     params = make_params()
     q, d = text_batch(20, "lognormal", 12), text_batch(20, "short", 13)
     d = {k: v.at[-2:].set(jnp.where(k == "attention_mask", 1, 3)) for k, v in d.items()}
