@@ -157,7 +157,7 @@ def want_full_batch(params, q, d, one_hot=False):
 BUDGET = gc_jax.TokenBudget(tokens=48, buckets=BUCKETS)  # chunks of 12x4, 6x8, 3x16
 
 
-@pytest.mark.parametrize("chunk_size", [5, BUDGET], ids=["rows", "budget"])
+@pytest.mark.parametrize("chunk_size", [BUDGET], ids=["budget"])  # rows: across devices
 def test_cached_value_and_grad_chunked_encoder_and_train_step(chunk_size):
     params = make_params()
     q, d = text_batch(20, "bimodal", 1), text_batch(40, "uniform", 2)
