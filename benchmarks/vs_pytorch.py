@@ -3,8 +3,9 @@
 Both train the same BERT-base dual encoder (``benchmarks/bert.py``; PyTorch:
 ``transformers.BertModel`` of the same sizes, random weights, no download) with the
 same three passes, on the same batches (token ids and masks drawn by NumPy from one
-seed) in chunks of the same size, and by default from the same weights (drawn by JAX,
-copied into both), so that their losses can be compared too:
+seed) in chunks of the same size, and by default from the same weights (drawn by NumPy
+in the parent process, with ``bert.init_params``'s distributions, copied into both),
+so that their losses can be compared too:
 
 * ``jax``: ``gc_jax.cached_value_and_grad`` over the two towers, jitted, InfoNCE with
   ``contrastive_loss(..., temperature=0.05, block_size=--block)``;
@@ -24,7 +25,11 @@ inside each tower's forward, float32 parameters, no loss scaling). Attention: Py
 (``--attention auto``), else the XLA implementation.
 
 Each framework runs in its own process, one after the other, so that their
-allocators never share the device; so does the export of the weights (on the CPU).
+allocators never share the device; the parent touches no device (it imports JAX for
+the parameters' shapes only, ``jax.eval_shape``) and prints each phase's wall time.
+``--time-limit`` bounds the whole run: a worker still running then is stopped, and
+those not started are skipped. ``benchmarks/vs_pytorch_plan.py`` runs the GPU plan
+(several of these runs, in order of value) within one time limit.
 
 Usage::
 
@@ -45,6 +50,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,10 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=sys.executable, help="Python of the torch side")
     p.add_argument("--tiny", action="store_true", help="a 2-layer BERT, small batches: CPU")
     p.add_argument("--json", type=Path, help="default benchmarks/results/vs_pytorch.json")
-    p.add_argument("--worker", choices=["jax", "torch", "export"], help=argparse.SUPPRESS)
+    p.add_argument("--time-limit", type=float, help="seconds for the whole run (workers stopped)")
+    p.add_argument("--weights", help="an npz of draw_weights' (default: drawn here, per run)")
+    p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=json.loads, help=argparse.SUPPRESS)
-    p.add_argument("--weights", help=argparse.SUPPRESS)
     p.add_argument("--dump", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.batches = args.batches or ([32, 64] if args.tiny else [4096, 65536])
@@ -177,15 +184,26 @@ def _jax_params(cfg, weights: str | None):
     return jax.tree.unflatten(treedef, [jax.numpy.asarray(flat[_name(p)]) for p, _ in paths])
 
 
-def export_worker(args: argparse.Namespace) -> None:
-    """Draws ``bert.init_params(key 0)`` (run on the CPU) and saves it, flat, to ``--weights``."""
-    import jax
+def _draw(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One parameter as ``bert.init_tower`` draws it: normal * 0.02 for the embeddings and
+    the dense weights, zeros for the biases, ones for the LayerNorm scales."""
+    leaf = name.rsplit("/", 1)[-1]
+    if leaf in ("tokens", "positions", "w"):
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    if leaf in ("b", "bias", "scale"):
+        return np.full(shape, leaf == "scale", np.float32)
+    raise ValueError(f"parameter {name!r}: no initialiser known; add one to _draw")
 
+
+def draw_weights(tiny: bool, path: str | Path, seed: int = 0) -> None:
+    """Both towers' parameters, drawn by NumPy from ``seed`` with ``bert.init_params``'s
+    distributions, saved flat (float32) to ``path``; JAX gives the shapes only
+    (``jax.eval_shape``: no device is initialised, nothing is allocated by JAX)."""
     from benchmarks import bert
 
-    cfg = bert.TINY if args.tiny else bert.BertConfig()
-    flat = {k: np.asarray(v) for k, v in _flatten(bert.init_params(cfg, jax.random.key(0))).items()}
-    np.savez(args.weights, **flat)
+    rng = np.random.default_rng(seed)
+    shapes = _flatten(bert.abstract_params(bert.TINY if tiny else bert.BertConfig()))
+    np.savez(path, **{name: _draw(rng, name, leaf.shape) for name, leaf in shapes.items()})
 
 
 def _jax_step(args: argparse.Namespace):
@@ -358,25 +376,24 @@ def torch_worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace, worker: str, extra: list[str], python: str) -> list:
+    """One worker's rows (a row saying why where it failed, timed out or never started)."""
+    left = args.stop_at - time.perf_counter()
+    if left < 10:
+        print(f"  [{worker} {args.precision}: skipped, {max(left, 0):.0f} s left]", flush=True)
+        return [{"framework": worker, "precision": args.precision, "status": "skipped",
+                 "error": f"--time-limit: {max(left, 0):.0f} s left"}]  # fmt: skip
+    budget = min(args.budget_s, left / 2)  # no new timed step after it: leaves time to end
     cmd = [python, "-m", "benchmarks.vs_pytorch", "--worker", worker, "--sizes",
            json.dumps(args.sizes), "--batches", *map(str, args.batches), "--chunk",
            str(args.chunk), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--block", str(args.block), "--attention", args.attention, "--fp32-matmul",
-           args.fp32_matmul, "--budget-s", str(args.budget_s), *extra,
+           args.fp32_matmul, "--budget-s", f"{budget:.0f}", *extra,
            *(["--tiny"] if args.tiny else []),
            *(["--torch-compile"] if args.torch_compile else [])]  # fmt: skip
     # Each worker has the device to itself: JAX may take 95 % of it (both names of the knob).
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", XLA_CLIENT_MEM_FRACTION="0.95")
-    if worker == "export":
-        env["JAX_PLATFORMS"] = "cpu"  # the weights are drawn on the CPU: no device held
     t0 = time.perf_counter()
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
-                             timeout=args.budget_s + 300)  # fmt: skip
-        stdout, code, err = out.stdout, out.returncode, out.stderr
-    except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-        code, err = "timeout", ""
+    stdout, code, err = _run(cmd, env, timeout=min(budget + 300, left))
     # Where the time goes (a run on an H200 printed nothing for minutes): every worker.
     print(f"  [{worker} {args.precision}: {time.perf_counter() - t0:.1f} s]", flush=True)
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
@@ -386,6 +403,21 @@ def run_worker(args: argparse.Namespace, worker: str, extra: list[str], python: 
         rows.append({"framework": worker, "status": f"exit {code}", "error": " ".join(last)[-400:],
                      "precision": args.precision})  # fmt: skip
     return rows
+
+
+def _run(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | str, str]:
+    """Runs ``cmd`` in its own process group: stdout, exit code (``"timeout"``), stderr.
+    At the timeout the whole group is killed (a compiler it started too), and the device
+    it held is free again when this returns."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=ROOT, env=env, start_new_session=True) as proc:  # fmt: skip
+        try:
+            stdout, err = proc.communicate(timeout=timeout)
+            return stdout, proc.returncode, err
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, err = proc.communicate()
+            return stdout, "timeout", err
 
 
 def show(row: dict) -> None:
@@ -447,29 +479,32 @@ def _header(args: argparse.Namespace, argv) -> dict:
             "runs": [], "agreement": []}  # fmt: skip
 
 
-def _export(args: argparse.Namespace, tmp: str) -> list[str]:
-    """The weights, drawn once by JAX on the CPU: the workers' ``--weights`` arguments."""
+def _shared_weights(args: argparse.Namespace, tmp: str) -> list[str]:
+    """The workers' ``--weights`` arguments: ``--weights``, else drawn here (NumPy)."""
     if not args.same_weights:
         return []
-    args.precision = "fp32"
-    run_worker(args, "export", ["--weights", f"{tmp}/weights.npz"], sys.executable)
-    if not Path(f"{tmp}/weights.npz").exists():
-        print("  the weights were not exported: each side draws its own")
-        return []
-    return ["--weights", f"{tmp}/weights.npz"]
+    if not args.weights:
+        t0, args.weights = time.perf_counter(), f"{tmp}/weights.npz"
+        draw_weights(args.tiny, args.weights)
+        size = Path(args.weights).stat().st_size / 1e9
+        print(f"  [weights drawn and saved ({size:.2f} GB): {time.perf_counter() - t0:.1f} s]",
+              flush=True)  # fmt: skip
+    return ["--weights", args.weights]
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
-        workers = {"jax": jax_worker, "torch": torch_worker, "export": export_worker}
-        return workers[args.worker](args)
+        return {"jax": jax_worker, "torch": torch_worker}[args.worker](args)
+    t_start = time.perf_counter()
+    args.stop_at = t_start + (args.time_limit or float("inf"))
     args.sizes = model_sizes(args.tiny)
     path = args.json or ROOT / "benchmarks" / "results" / "vs_pytorch.json"
     results = _header(args, argv)
-    print(f"{results['host']}; model {args.sizes}; chunk {args.chunk}, batches {args.batches}")
+    print(f"{results['host']}; model {args.sizes}; chunk {args.chunk}, batches {args.batches}",
+          flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        extra = _export(args, tmp) + (["--dump", tmp] if args.check else [])
+        extra = _shared_weights(args, tmp) + (["--dump", tmp] if args.check else [])
         for precision in args.precisions:
             args.precision = precision
             for fw in args.frameworks:
@@ -486,7 +521,7 @@ def main(argv=None) -> None:
                     show_agreement(found)
     ratios(results["runs"])
     write_json(path, results)
-    print(f"wrote {path}")
+    print(f"wrote {path} [{time.perf_counter() - t_start:.1f} s in all]", flush=True)
 
 
 def show_agreement(found: dict) -> None:

@@ -141,8 +141,9 @@ def test_vs_pytorch_jax_side_writes_its_figures(tmp_path):
 
     out = tmp_path / "vs.json"
     vs_pytorch.main(["--tiny", "--frameworks", "jax", "--precisions", "fp32", "--batches", "16",
-                     "--steps", "2", "--no-same-weights", "--json", str(out)])  # fmt: skip
+                     "--steps", "2", "--json", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
+    assert result["same_weights"]  # drawn by the parent (NumPy), loaded by the worker
     assert result["model"]["layers"] == bert.TINY.layers and result["chunk"] == 8
     assert result["command"].startswith("python -m benchmarks.vs_pytorch --tiny")
     (run,) = result["runs"]
@@ -180,23 +181,69 @@ def test_vs_pytorch_weights_map_to_bert_model_and_back():
 
 
 def test_vs_pytorch_workers_share_weights_and_batches(tmp_path):
-    """The exported weights load as drawn; every worker draws the same batches."""
+    """The parent's NumPy weights: bert.init_params's tree, shapes and distributions,
+    the same from the same seed, loaded as saved; every worker draws the same batches."""
     import jax
     import numpy as np
 
     from benchmarks import bert, vs_pytorch
 
-    weights = tmp_path / "w.npz"
-    vs_pytorch.export_worker(vs_pytorch.parse_args(["--tiny", "--weights", str(weights)]))
-    loaded = vs_pytorch._jax_params(bert.TINY, str(weights))
+    paths = [tmp_path / f"w{i}.npz" for i in range(3)]
+    for path, seed in zip(paths, (0, 0, 1), strict=True):
+        vs_pytorch.draw_weights(True, path, seed)
+    loaded, again = (vs_pytorch._jax_params(bert.TINY, str(p)) for p in paths[:2])
     drawn = bert.init_params(bert.TINY, jax.random.key(0))
-    jax.tree.map(np.testing.assert_array_equal, loaded, drawn)
+    assert jax.tree.structure(loaded) == jax.tree.structure(drawn)
+    jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype) or pytest.fail(), loaded,
+                 drawn)  # fmt: skip
+    jax.tree.map(np.testing.assert_array_equal, loaded, again)
+    flat, other = vs_pytorch._flatten(loaded), dict(np.load(paths[2]))
+    for name, x in flat.items():
+        if name.endswith(("/scale", "/b", "/bias")):
+            np.testing.assert_array_equal(x, float(name.endswith("/scale")), err_msg=name)
+        else:
+            assert abs(float(np.std(x)) - 0.02) < 0.02 * 0.1, name
+            assert abs(float(np.mean(x))) < 0.02 * 0.1, name
+            assert not np.array_equal(x, other[name]), name
     sizes = {"query_len": 8, "passage_len": 16, "vocab": 512}
     (q1, p1), (q2, p2) = vs_pytorch.batches(sizes, 32), vs_pytorch.batches(sizes, 32)
     for a, b in ((q1, q2), (p1, p2)):
         jax.tree.map(np.testing.assert_array_equal, a, b)
     assert q1["ids"].shape == (32, 8) and p1["mask"].shape == (32, 16)
     assert (p1["mask"].sum(1) >= 4).all() and not (q1["ids"] == p1["ids"][:, :8]).all()
+
+
+def test_vs_pytorch_parent_initialises_no_device(tmp_path):
+    """Drawing the weights imports JAX for the shapes only: no backend is started."""
+    code = ("import sys; from benchmarks import vs_pytorch; from jax._src import xla_bridge; "
+            "vs_pytorch.draw_weights(True, sys.argv[1]); "
+            "assert not xla_bridge.backends_are_initialized()")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "w.npz")], cwd=ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_vs_pytorch_plan_runs_parse_in_order(tmp_path):
+    """Every run of the GPU plan is a valid vs_pytorch command, most valuable first;
+    --frameworks drops what it does not name, --tiny shrinks the batches."""
+    from benchmarks import vs_pytorch, vs_pytorch_plan
+
+    names = [name for name, _, _ in vs_pytorch_plan.STEPS]
+    assert names[:2] == ["bf16_4096_check", "bf16_65536"] and len(set(names)) == len(names)
+    for tiny, frameworks in ((False, ["jax", "torch"]), (True, ["torch"])):
+        cli = ["--out", str(tmp_path), "--frameworks", *frameworks] + ["--tiny"] * tiny
+        plan = vs_pytorch_plan.parse_args(cli)
+        for name, most, flags in vs_pytorch_plan.STEPS:
+            argv = vs_pytorch_plan.step_argv(plan, name, flags, most, "w.npz")
+            if argv is None:
+                assert "--frameworks jax" in flags and frameworks == ["torch"]
+                continue
+            args = vs_pytorch.parse_args(argv)
+            assert args.time_limit == most and args.weights == "w.npz" and args.tiny == tiny
+            assert args.json == tmp_path / f"vs_pytorch_{name}.json"
+            assert set(args.frameworks) <= set(frameworks)
+            rows = int(flags.split("--batches ")[1].split()[0])
+            assert args.batches == [{4096: 32, 65536: 64}[rows] if tiny else rows]
 
 
 def test_vs_pytorch_batches_must_be_whole_chunks(capsys):
