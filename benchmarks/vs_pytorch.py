@@ -45,6 +45,7 @@ does not provide; this script aliases it) or luyug/GradCache from source.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -55,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +160,12 @@ def _emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def _progress(args: argparse.Namespace, what: str) -> None:
+    """A worker's progress (the parent shows it as it comes): what, and when since start."""
+    print(f"    {args.worker} {args.precision}: {what} at {time.perf_counter() - args.t0:.1f} s",
+          flush=True)  # fmt: skip
+
+
 # --- the JAX side ------------------------------------------------------------------------
 
 
@@ -245,6 +253,7 @@ def _jax_batch(args: argparse.Namespace, step, params, rows: int, start: float) 
     t0 = time.perf_counter()
     compiled = step.lower(params, q, p).compile()
     row = {"batch": rows, "compile_s": time.perf_counter() - t0}
+    _progress(args, f"B={rows} compiled in {row['compile_s']:.1f} s")
     m = compiled.memory_analysis()
     kinds = ("argument", "temp", "output", "alias")
     row["compiled_bytes"] = {k: getattr(m, f"{k}_size_in_bytes", None) for k in kinds}
@@ -264,6 +273,7 @@ def _jax_batch(args: argparse.Namespace, step, params, rows: int, start: float) 
 def jax_worker(args: argparse.Namespace) -> None:
     """One JSON line per batch: gc_jax's step in ``--precision``; stops at an error."""
     step, params, base = _jax_step(args)
+    _progress(args, f"ready ({base['device']}, {base['attention']} attention)")
     start = time.perf_counter()
     for rows in args.batches:
         try:
@@ -283,6 +293,7 @@ def _time_steps(args: argparse.Namespace, step, start: float):
     first = step()
     for _ in range(args.warmup - 1):
         step()
+    _progress(args, f"{args.warmup} untimed step(s) done")
     times = []
     while len(times) < args.steps and (not times or time.perf_counter() - start < args.budget_s):
         t0 = time.perf_counter()
@@ -363,6 +374,7 @@ def torch_worker(args: argparse.Namespace) -> None:
     import torch
 
     gc, towers, base = _torch_step(args)
+    _progress(args, f"ready ({base['device']})")
     start = time.perf_counter()
     for rows in args.batches:
         try:
@@ -409,15 +421,31 @@ def _run(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | str, str
     """Runs ``cmd`` in its own process group: stdout, exit code (``"timeout"``), stderr.
     At the timeout the whole group is killed (a compiler it started too), and the device
     it held is free again when this returns."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=ROOT, env=env, start_new_session=True) as proc:  # fmt: skip
+    lines = []
+    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        reader = threading.Thread(target=_echo, args=(proc.stdout, lines), daemon=True)
+        reader.start()
         try:
-            stdout, err = proc.communicate(timeout=timeout)
-            return stdout, proc.returncode, err
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, err = proc.communicate()
-            return stdout, "timeout", err
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = "timeout"
+        reader.join()
+        err.seek(0)
+        return "".join(lines), code, err.read()
+
+
+def _echo(stream, lines: list[str]) -> None:
+    """Collects a worker's stdout, showing its progress lines (all but rows) as they come."""
+    for line in stream:
+        lines.append(line)
+        if not line.startswith("{"):
+            print(line, end="", flush=True)
 
 
 def show(row: dict) -> None:
@@ -495,6 +523,7 @@ def _shared_weights(args: argparse.Namespace, tmp: str) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
+        args.t0 = time.perf_counter()
         return {"jax": jax_worker, "torch": torch_worker}[args.worker](args)
     t_start = time.perf_counter()
     args.stop_at = t_start + (args.time_limit or float("inf"))
