@@ -185,7 +185,7 @@ def test_token_packing(capsys):
     chex.assert_trees_all_close((ns["loss"], ns["grads"]), want, **TOL)
     counts = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"(above: `{counts}`:" in (DOCS / "token_budgets.md").read_text()
-    assert ns["packed"].chunk_shape(256, 256) == (32, 256)
+    assert ns["packed"].chunk_shapes(256, 256) == ((32, 256),)
 
 
 def test_scaling_out():

@@ -26,6 +26,7 @@ from gc_jax.losses import contrastive_loss
 VOCAB, WIDTH, PADDED, LANGS = 11, 8, 16, 3
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 PACKING = gc_jax.TokenPacking(tokens=64, segments=4)  # chunks of 4 lines x 16 tokens
+BUCKETED = gc_jax.TokenPacking(tokens=64, segments=4, buckets=(4, 8, 16))  # 3 line lengths
 
 
 def make_tower(seed):
@@ -117,10 +118,14 @@ def lengths_of(batch):
     return np.asarray(batch["attention_mask"]).sum(1)
 
 
-@pytest.mark.parametrize("kind", ["uniform", "short", "long", "lognormal"])
-def test_matches_full_batch(kind):
+@pytest.mark.parametrize(
+    ("kind", "chunking"),
+    [("uniform", PACKING), ("short", PACKING), ("long", PACKING), ("lognormal", PACKING),
+     ("uniform", BUCKETED), ("lognormal", BUCKETED)],
+)  # fmt: skip
+def test_matches_full_batch(kind, chunking):
     params, encoders = make_params(), towers()
-    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunking))
     q, d = text_batch(20, kind, 1, lang=True), text_batch(20, kind, 2)
     chex.assert_trees_all_close(grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d),
                                 **TOL)  # fmt: skip
@@ -180,52 +185,61 @@ def test_packs_rows_into_few_chunks():
     (((lines, tokens), chunks),) = counts.items()
     assert (lines, tokens) == (4, PADDED) and chunks == 2  # 32 rows, 4 per line, 4 lines
     plan = token_packing.make_plan(q, PACKING, "q")
-    assert int(plan.trips) == chunks
+    assert int(np.sum(plan.trips)) == chunks
     counts_long = PACKING.chunk_counts(lengths_of(text_batch(32, "long", 4)), PADDED)
     assert counts_long == {(4, PADDED): 8}  # one row per line: as many lines as rows
 
 
 def test_the_traced_packing_is_the_numpy_one():
-    """The packing under jit (one ``lax.scan``) and the NumPy one agree, line by line;
-    every row is placed once, and no line is over-full."""
+    """The packing under jit (one ``lax.scan`` over a bucket's first ``count`` rows) and
+    the NumPy one agree, line by line; every row is placed once, the rows past
+    ``count`` stay where they are, and no line is over-full."""
     rng = np.random.default_rng(0)
     place = jax.jit(token_packing._place, static_argnums=(1, 2))
     for _ in range(30):
         n, length = int(rng.integers(1, 40)), int(rng.integers(4, 33))
-        segments = int(rng.integers(2, 6))
+        segments, count = int(rng.integers(2, 6)), int(rng.integers(0, n + 1))
         lengths = rng.integers(0, length + 1, n)
-        lines = token_packing.pack_lines(lengths, length, segments)
-        sizes = np.sort(np.where(lengths > 0, lengths, length))[::-1].astype(np.int32)
-        placed, first = (np.asarray(a) for a in place(jnp.asarray(sizes), length, segments))
-        ends = [*first[1 : len(lines)], n]
+        lines = token_packing.pack_lines(lengths[:count], length, segments)
+        head = np.sort(np.where(lengths[:count] > 0, lengths[:count], length))[::-1]
+        sizes = np.concatenate([head, rng.integers(1, 3 * length, n - count)]).astype(np.int32)
+        placed, first = (np.asarray(a) for a in place(jnp.asarray(sizes), length, segments,
+                                                      jnp.int32(count)))  # fmt: skip
+        ends = [*first[1 : len(lines)], count]
         assert [list(placed[f:e]) for f, e in zip(first[: len(lines)], ends, strict=True)] == lines
         assert (first[len(lines) :] == n).all() and sorted(placed) == list(range(n))
+        assert list(placed[count:]) == list(range(count, n))
         for line in lines:
             assert sizes[line].sum() <= length and len(line) <= segments
 
 
-def test_the_chunk_holds_each_row_once():
+@pytest.mark.parametrize("chunking", [PACKING, BUCKETED])
+def test_the_chunk_holds_each_row_once(chunking):
     """Every row's tokens appear once, in order, under their segment id, with positions
-    counted from the row's start; per-row leaves go to their slot."""
+    counted from the row's start; per-row leaves go to their slot. With buckets, each
+    row lies in a line of the shortest bucket that holds it, and the chunks the step
+    runs are the NumPy count."""
     q = text_batch(12, "uniform", 5, lang=True)
-    plan = token_packing.make_plan(q, PACKING, "q")
+    plan = token_packing.make_plan(q, chunking, "q")
+    counts = chunking.chunk_counts(lengths_of(q), PADDED)
+    assert [int(t) for t in plan.trips] == list(counts.values())
     seen = {}
-    for c in range(int(plan.trips)):
-        chunk = plan.take(q, jnp.int32(c))
-        rows, valid = (np.asarray(a).reshape(-1) for a in plan._slots(plan.where(jnp.int32(c))))
-        for line in range(PACKING.tokens // PADDED):
-            for slot in range(PACKING.segments):
-                at = line * PACKING.segments + slot
-                if not valid[at]:
-                    continue
-                row = int(rows[at])
+    for (lines, width), (bucket, trips) in zip(counts, enumerate(counts.values()), strict=True):
+        for c in range(trips):
+            index = token_packing.BucketChunk(bucket, jnp.int32(c))
+            chunk = plan.take(q, index)
+            assert chunk["input_ids"].shape == (lines, width)
+            rows, valid = (np.asarray(a).reshape(-1) for a in plan._slots(plan.where(index)))
+            for at in np.flatnonzero(valid):
+                line, slot, row = at // chunking.segments, at % chunking.segments, int(rows[at])
                 where = np.asarray(chunk["segment_ids"][line]) == slot + 1
                 start = int(chunk["segment_starts"][line, slot])
-                assert where.sum() == lengths_of(q)[row] and where[start]
+                n = int(lengths_of(q)[row])
+                assert where.sum() == n and where[start]
+                assert n <= width and (bucket == 0 or n > list(counts)[bucket - 1][1])
                 np.testing.assert_array_equal(chunk["input_ids"][line][where],
-                                              q["input_ids"][row][: where.sum()])  # fmt: skip
-                np.testing.assert_array_equal(chunk["position_ids"][line][where],
-                                              np.arange(where.sum()))  # fmt: skip
+                                              q["input_ids"][row][:n])  # fmt: skip
+                np.testing.assert_array_equal(chunk["position_ids"][line][where], np.arange(n))
                 assert int(chunk["lang"][at]) == int(q["lang"][row])
                 seen[row] = seen.get(row, 0) + 1
     assert seen == dict.fromkeys(range(12), 1)

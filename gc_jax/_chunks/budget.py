@@ -17,7 +17,6 @@ A chunk gathers its rows of that order; a partial chunk repeats its bucket's las
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,7 +27,7 @@ import numpy as np
 from gc_jax import _keys, _layout, _validation
 from gc_jax._base import PyTree
 from gc_jax._chunks import spans, token_rows
-from gc_jax._chunks.token_rows import MASK
+from gc_jax._chunks.token_rows import MASK, BucketChunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,21 +82,9 @@ class TokenBudget:
     def __post_init__(self):
         kind = type(self).__name__
         token_rows.positive_int(self.tokens, f"{kind}(tokens=...)")
-        buckets = tuple(self.buckets) if isinstance(self.buckets, tuple | list) else None
-        if not buckets:
-            raise TypeError(
-                f"{kind}(buckets=...) must be a non-empty tuple of increasing padded lengths, "
-                f"e.g. (32, 64, 128, 256), got {self.buckets!r}."
-            )
-        for i, b in enumerate(buckets):
-            token_rows.positive_int(b, f"{kind}(buckets=...) buckets[{i}]")
-        if any(a >= b for a, b in itertools.pairwise(buckets)):
-            raise ValueError(
-                f"{kind}(buckets=...) must increase strictly, got {buckets}; pass them "
-                f"sorted without repeats, e.g. {tuple(sorted(set(buckets)))}."
-            )
+        buckets = token_rows.checked_buckets(self.buckets, kind)
         token_rows.check_lengths_source(self.lengths, kind)
-        object.__setattr__(self, "buckets", tuple(int(b) for b in buckets))
+        object.__setattr__(self, "buckets", buckets)
 
     @classmethod
     def for_lengths(
@@ -150,30 +137,21 @@ class TokenBudget:
           (24, 48, 80, 112, 256)
         """
         method = f"{cls.__name__}.for_lengths"
-        _check_width(attention_width, f"{method}(attention_width=...)")
-        for name, value in (("max_buckets", max_buckets), ("multiple", multiple)):
-            token_rows.positive_int(value, f"{method}({name}=...)")
-        if not isinstance(min_saving, int | float) or not 0 <= min_saving < 1:
-            raise ValueError(
-                f"{method}(min_saving=...) must be a share in [0, 1), got {min_saving!r}."
-            )
+        token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
         sample = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
         cls(tokens, (padded_length,)).chunk_shapes(padded_length, sample.shape[1])  # checks
-        buckets = spans.propose_buckets(
-            sample, tokens, padded_length, max_buckets, multiple, min_saving, attention_width
+        fit = lambda cost, starts=(): spans.propose_buckets(
+            sample, padded_length, max_buckets, multiple, min_saving, cost, starts
         )
+        tokens_fitted = fit(spans.budget_cost(sample, tokens))
+        buckets = tokens_fitted
+        if attention_width is not None:  # the tokens' buckets: a start greedy steps can miss
+            buckets = fit(spans.budget_cost(sample, tokens, attention_width), (tokens_fitted,))
         return cls(tokens, buckets, lengths)
 
     def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
         """The buckets a batch padded to ``padded_length`` tokens uses (the last is it)."""
-        if padded_length > self.buckets[-1]:
-            raise ValueError(
-                f"the batch is padded to {padded_length} tokens but the largest bucket of "
-                f"{type(self).__name__}(buckets={self.buckets}) is {self.buckets[-1]}: rows may be "
-                f"longer than every bucket. Add {padded_length} to buckets, or pad and "
-                f"truncate the batch to at most {self.buckets[-1]} tokens."
-            )
-        return (*(b for b in self.buckets if b < padded_length), padded_length)
+        return token_rows.bucket_lengths(self.buckets, padded_length, type(self).__name__)
 
     def chunk_shapes(self, padded_length: int, rows: int) -> tuple[tuple[int, int], ...]:
         """``(rows, tokens)`` of each bucket's chunks: the shapes compiled, one per bucket.
@@ -218,29 +196,6 @@ class TokenBudget:
         bucket = spans.bucket_of(array, sizes, np)
         _, _, chunks = spans.spans(bucket, rows, sizes, np)
         return {shape: int(c) for shape, c in zip(shapes, chunks.max(axis=0), strict=True)}
-
-
-def _check_width(width: Any, where: str) -> None:
-    """``attention_width``: ``None`` or a positive finite number."""
-    if width is None:
-        return
-    if not isinstance(width, int | float | np.integer | np.floating) or isinstance(width, bool):
-        raise TypeError(
-            f"{where} must be the encoder's width (a positive number, e.g. its hidden size "
-            f"768) or None, got {width!r} of type {type(width).__name__}."
-        )
-    if not (np.isfinite(width) and width > 0):
-        raise ValueError(
-            f"{where} must be a positive finite width, e.g. the encoder's hidden size 768, "
-            f"got {width!r}; pass None to fit the buckets to the tokens alone."
-        )
-
-
-class BucketChunk(NamedTuple):
-    """Chunk ``turn`` (traced) of bucket ``bucket`` (static)."""
-
-    bucket: int
-    turn: Any
 
 
 class TokenPlan(NamedTuple):

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _keys, _layout
+from gc_jax import _keys, _layout, _validation
 from gc_jax._base import PyTree
-from gc_jax._chunks import token_rows
-from gc_jax._chunks.token_rows import MASK
+from gc_jax._chunks import spans, token_rows
+from gc_jax._chunks.token_rows import MASK, BucketChunk
 
 SEGMENT_IDS, POSITION_IDS, SEGMENT_STARTS = "segment_ids", "position_ids", "segment_starts"
 """The keys a packed chunk adds for the encoder (:mod:`gc_jax.packing` reads them)."""
@@ -84,8 +84,8 @@ class TokenPacking:
     Examples:
       >>> import gc_jax
       >>> packing = gc_jax.TokenPacking(tokens=512, segments=4)
-      >>> packing.chunk_shape(padded_length=128, rows=256)  # (lines, tokens)
-      (4, 128)
+      >>> packing.chunk_shapes(padded_length=128, rows=256)  # (lines, tokens)
+      ((4, 128),)
       >>> lengths = [100, 20, 30, 128, 60, 40, 8, 70, 90, 120]
       >>> packing.chunk_counts(lengths, padded_length=128)  # 10 rows in 6 lines
       {(4, 128): 2}
@@ -94,6 +94,7 @@ class TokenPacking:
     tokens: int
     segments: int
     lengths: str | Callable[[PyTree], jax.Array] = MASK
+    buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         kind = type(self).__name__
@@ -108,15 +109,26 @@ class TokenPacking:
         token_rows.check_lengths_source(self.lengths, kind)
         object.__setattr__(self, "tokens", int(self.tokens))
         object.__setattr__(self, "segments", int(self.segments))
+        if self.buckets is not None:
+            object.__setattr__(self, "buckets", token_rows.checked_buckets(self.buckets, kind))
 
     @classmethod
     def for_lengths(
-        cls, sample: Any, tokens: int, padded_length: int, *, lengths: Any = MASK
-    ) -> TokenPacking:
-        """A packing whose ``segments`` never limits the lines of batches like ``sample``.
+        cls, sample: Any, tokens: int, padded_length: int, *, lengths: Any = MASK,
+        attention_width: float | None = None, max_buckets: int = 5, multiple: int = 8,
+        min_saving: float = 0.01,
+    ) -> TokenPacking:  # fmt: skip
+        """A packing for batches like ``sample``: its line lengths and ``segments``.
 
-        ``segments`` is the most rows any line holds when the sample's batches are
-        packed without a limit (at least 2): with it, they are packed into the same
+        Without ``attention_width``, every line is ``padded_length`` tokens (``buckets``
+        None): the fewest tokens. With it, ``buckets`` are fitted to the encoder's
+        modelled FLOPs, attention included, as ``TokenBudget.for_lengths`` fits its
+        buckets: a line of ``n`` tokens costs ``n * (1 + n / (6 * attention_width))``
+        with dense attention over the line, so short rows packed into short lines
+        spend less on attention to other rows than in lines of ``padded_length``.
+
+        ``segments`` is then the most rows any line holds when the sample's batches
+        are packed without a limit (at least 2): with it, they are packed into the same
         lines as without one; fewer may need more lines, more only adds empty output
         slots (each slot is one output row).
 
@@ -125,8 +137,15 @@ class TokenPacking:
             ``[batches, rows]``, each row a batch as the step sees it (per device under
             ``shard_map`` or a sharded ``jit``): e.g. ``mask.sum(-1)`` of a few batches.
           tokens: as ``TokenPacking``.
-          padded_length: the batches' padded length (the line length).
+          padded_length: the batches' padded length (the longest line).
           lengths: as ``TokenPacking``.
+          attention_width: the encoder's width ``d``, as ``TokenBudget.for_lengths``;
+            ``None`` (default): one line length.
+          max_buckets: at most this many line lengths, ``padded_length`` included
+            (each is one more compiled chunk shape).
+          multiple: every line length but ``padded_length`` is a multiple of it.
+          min_saving: the share of the modelled FLOPs a line length must save to be
+            added.
 
         Examples:
           >>> import numpy as np, gc_jax
@@ -134,16 +153,33 @@ class TokenPacking:
           >>> sample = np.clip(lengths.astype(int), 1, 256)  # 8 batches of 256 rows
           >>> gc_jax.TokenPacking.for_lengths(sample, 4096, padded_length=256).segments
           9
+          >>> packing = gc_jax.TokenPacking.for_lengths(sample, 4096, 256, attention_width=32)
+          >>> packing.buckets, packing.segments
+          ((40, 256), 4)
         """
         method = f"{cls.__name__}.for_lengths"
         array = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
-        cls(tokens, 2, lengths).chunk_shape(padded_length, array.shape[1])  # checks
-        most = max(len(line) for row in array for line in pack_lines(row, padded_length,
-                                                                      padded_length))  # fmt: skip
-        return cls(tokens, max(most, 2), lengths)
+        cls(tokens, 2, lengths).chunk_shapes(padded_length, array.shape[1])  # checks
+        buckets = None
+        if attention_width is not None:
+            token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
+            cost = _lines_cost(array, tokens, padded_length, attention_width)
+            found = spans.propose_buckets(array, padded_length, max_buckets, multiple,
+                                          min_saving, cost)  # fmt: skip
+            buckets = found if len(found) > 1 else None
+        widths = (padded_length,) if buckets is None else buckets
+        most = max(len(line) for row in array for line in _lines_of(row, widths))
+        return cls(tokens, max(most, 2), lengths, buckets)
 
-    def chunk_shape(self, padded_length: int, rows: int) -> tuple[int, int]:
-        """``(lines, tokens)`` of every chunk: the one shape compiled.
+    def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
+        """The line lengths a batch padded to ``padded_length`` tokens uses (the last is
+        it): ``buckets`` shorter than it, and it."""
+        if self.buckets is None:
+            return (padded_length,)
+        return token_rows.bucket_lengths(self.buckets, padded_length, type(self).__name__)
+
+    def chunk_shapes(self, padded_length: int, rows: int) -> tuple[tuple[int, int], ...]:
+        """``(lines, tokens)`` of each line length's chunks: the shapes compiled.
 
         Args:
           padded_length: the batch's padded length (axis 1 of its token arrays).
@@ -155,7 +191,7 @@ class TokenPacking:
                 f"batch's padded length ({padded_length} tokens); pass tokens of at least "
                 f"{padded_length}, e.g. tokens={padded_length * 16} for chunks of 16 lines."
             )
-        return min(self.tokens // padded_length, rows), padded_length
+        return tuple((min(self.tokens // n, rows), n) for n in self.bucket_lengths(padded_length))
 
     def chunk_counts(self, lengths: Any, padded_length: int) -> dict[tuple[int, int], int]:
         """``{(lines, tokens): chunks}``: the chunks the step encodes, computed with NumPy.
@@ -168,9 +204,47 @@ class TokenPacking:
         """
         method = f"{type(self).__name__}.chunk_counts"
         array = token_rows.checked_lengths(lengths, padded_length, method, "lengths", "devices")
-        shape = self.chunk_shape(padded_length, array.shape[1])
-        lines = max(len(pack_lines(row, padded_length, self.segments)) for row in array)
-        return {shape: -(-lines // shape[0])}
+        shapes = self.chunk_shapes(padded_length, array.shape[1])
+        widths = tuple(n for _, n in shapes)
+        lines = np.array([class_lines(row, widths, self.segments) for row in array]).max(axis=0)
+        return {shape: int(-(-k // shape[0])) for shape, k in zip(shapes, lines, strict=True)}
+
+
+def class_lines(lengths: Any, widths: tuple[int, ...], segments: int) -> list[int]:
+    """Lines of each line length ``widths[c]`` that one device's rows take (NumPy): each
+    row goes to the shortest that holds it (a row of length 0, to the last)."""
+    lengths = np.asarray(lengths)
+    lengths = np.where(lengths > 0, lengths, widths[-1])
+    bucket = spans.bucket_of(lengths, widths, np)
+    return [len(pack_lines(lengths[bucket == c], n, segments)) for c, n in enumerate(widths)]
+
+
+def _lines_of(lengths: np.ndarray, widths: tuple[int, ...]) -> list[list[int]]:
+    """One device's lines, packed without a limit on the rows a line holds (NumPy)."""
+    lengths = np.where(lengths > 0, lengths, widths[-1])
+    bucket = spans.bucket_of(lengths, widths, np)
+    return [line for c, n in enumerate(widths) for line in pack_lines(lengths[bucket == c], n, n)]
+
+
+def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int, attention_width: float):
+    """``cost(widths)``: the mean modelled FLOPs (``spans.chunk_costs``) of the chunks of
+    packed lines the step encodes for the batches of ``sample``, rows packed without
+    a limit. The cost of each line length's span of lengths is kept: the fit tries
+    the same spans many times."""
+    rows, kept = sample.shape[1], {}
+    sample = np.where(sample > 0, sample, padded_length)  # a row without tokens: a line
+
+    def span(low: int, n: int) -> float:
+        if (low, n) not in kept:
+            lines = min(tokens // n, rows)
+            inside = (sample > low) & (sample <= n)
+            rows_in = [r[k] for r, k in zip(sample, inside, strict=True)]
+            count = np.array([len(pack_lines(r, n, n)) for r in rows_in])
+            chunk = spans.chunk_costs((lines,), (n,), attention_width)[0]
+            kept[low, n] = float((-(-count // lines)).mean() * chunk)
+        return kept[low, n]
+
+    return lambda widths: sum(map(span, (0, *widths[:-1]), widths))
 
 
 def pack_lines(lengths: Any, line_length: int, segments: int) -> list[list[int]]:
@@ -206,27 +280,34 @@ class Lines(NamedTuple):
 class PackPlan(NamedTuple):
     """How one batch is packed (a :class:`gc_jax._plan.Plan`; the arrays are traced).
 
+    Each row goes to the shortest line length that holds it (its *bucket*; one with
+    ``buckets`` None); each bucket's rows are packed into lines of its length, and its
+    chunks run in a loop of their own. Arrays have a leading axis of buckets ``C``.
+
     Attributes:
       batch_size: total rows ``B``.
       num_shards: contiguous shards the rows are spread over (devices, under jit);
         each is packed on its own.
-      padded: the batch's padded length ``L`` (the line length).
-      lines: lines per shard of every chunk.
+      padded: the batch's padded length ``L``.
+      lengths: each bucket's line length (the last is ``L``).
+      lines: lines per shard of each bucket's chunks.
       segments: slots per line.
-      order: ``[S, B / S]``: each shard's rows, in the order they are placed in lines.
-      sizes: ``[S, B / S]``: their lengths (at least 1) in that order.
-      before: ``[S, B / S + 1]``: the tokens of the rows before each, in that order.
-      first: ``[S, B / S + 1]``: where each line starts in the order (``B / S`` past
-        the last line).
-      used: ``[S]``: lines of each shard.
-      trips: chunks (the most any shard needs).
+      order: ``[C, S, B / S]``: each shard's rows, the bucket's first, in the order
+        they are placed in its lines.
+      sizes: ``[C, S, B / S]``: their lengths (at least 1) in that order.
+      before: ``[C, S, B / S + 1]``: the tokens of the rows before each, in that order.
+      first: ``[C, S, B / S + 1]``: where each line starts in the order (``B / S``
+        past the last line).
+      used: ``[C, S]``: lines of each bucket and shard.
+      trips: ``[C]``: chunks of each bucket (the most any shard needs).
       layout: how the rows lie across devices (``gc_jax._layout.Layout``).
     """
 
     batch_size: int
     num_shards: int
     padded: int
-    lines: int
+    lengths: tuple[int, ...]
+    lines: tuple[int, ...]
     segments: int
     order: jax.Array
     sizes: jax.Array
@@ -243,9 +324,9 @@ class PackPlan(NamedTuple):
     )
 
     def loops(self, keep_tail: bool = False) -> list:
-        """One loop over the chunks: ``(index of turn j, traced number of turns)``."""
+        """One chunk loop per bucket: ``(index of turn j, traced number of turns)``."""
         del keep_tail  # no chunk is kept (num_chunks is None)
-        return [(lambda j: j, self.trips)]
+        return [(lambda j, c=c: BucketChunk(c, j), self.trips[c]) for c in range(len(self.lines))]
 
     def has_tail(self, keep_tail: bool = False) -> bool:
         return False
@@ -259,30 +340,33 @@ class PackPlan(NamedTuple):
             )
         return batch
 
-    def samples(self) -> list:
-        return [0]
+    def samples(self) -> list[BucketChunk]:
+        """A chunk of every bucket (for the output shapes)."""
+        return [BucketChunk(c, 0) for c in range(len(self.lines))]
 
-    def number(self, index: Any) -> Any:
+    def number(self, index: BucketChunk) -> jax.Array:
         """The chunk's number in the batch (its key is ``fold_in(rng, number)``)."""
-        return index
+        return jnp.sum(self.trips[: index.bucket]) + index.turn
 
-    def rows_of(self, index: Any) -> int:
+    def rows_of(self, index: BucketChunk) -> int:
         """Output rows per shard of a chunk: one per slot."""
-        return self.lines * self.segments
+        return self.lines[index.bucket] * self.segments
 
-    def where(self, index: Any) -> Lines:
+    def where(self, index: BucketChunk) -> Lines:
         """Chunk ``index``'s lines, each shard's (leading axis: shards)."""
-        return jax.vmap(self._lines, in_axes=(None, 0, 0, 0, 0, 0))(
-            index, self.order, self.sizes, self.before, self.first, self.used
-        )
+        c = index.bucket
+        lines = lambda *a: self._lines(index.turn, self.lengths[c], self.lines[c], *a)
+        return jax.vmap(lines)(self.order[c], self.sizes[c], self.before[c], self.first[c],
+                               self.used[c])  # fmt: skip
 
-    def _lines(self, index, order, sizes, before, first, used) -> Lines:
-        n, length = order.shape[0], self.padded
-        line = index * self.lines + jnp.arange(self.lines)
+    def _lines(self, turn, length, count, order, sizes, before, first, used) -> Lines:
+        n = order.shape[0]
+        line = turn * count + jnp.arange(count)
         in_data = line < used
         # A line past the data repeats the last line, whose slots are not written (so no
-        # line is empty, whose pooled output, normalised, has a NaN gradient).
-        line = jnp.minimum(line, used - 1)
+        # line is empty, whose pooled output, normalised, has a NaN gradient); a shard
+        # with no line of this bucket has one made up (see make_plan).
+        line = jnp.minimum(line, jnp.maximum(used, 1) - 1)
         start, end = first[line], first[line + 1]
         at = start[:, None] + jnp.arange(self.segments)  # [lines, segments]
         filled = at < end[:, None]
@@ -290,13 +374,13 @@ class PackPlan(NamedTuple):
         at = jnp.minimum(at, n - 1)
         offset = jnp.where(filled, before[at] - before[start][:, None], length)
         tokens = jnp.arange(length)
-        slot = jnp.sum(offset[:, None, :] <= tokens[None, :, None], axis=-1) - 1  # [lines, L]
+        slot = jnp.sum(offset[:, None, :] <= tokens[None, :, None], axis=-1) - 1  # [lines, n]
         slot = jnp.maximum(slot, 0)
         take = lambda a: jnp.take_along_axis(a, slot, axis=1)
         within = tokens[None, :] - take(offset)
         token = (within >= 0) & (within < take(sizes[at]))  # a row's token, not padding
         row = order[at]
-        source = take(row) * length + jnp.clip(within, 0, length - 1)
+        source = take(row) * self.padded + jnp.clip(within, 0, length - 1)
         return Lines(
             row, valid, jnp.where(filled, offset, 0), source,
             jnp.where(token, slot + 1, 0), jnp.where(token, within, 0),
@@ -305,12 +389,13 @@ class PackPlan(NamedTuple):
     def _trimmed(self, x: jax.Array) -> bool:
         return x.ndim >= 2 and x.shape[1] == self.padded
 
-    def take(self, tree: PyTree, index: Any) -> PyTree:
+    def take(self, tree: PyTree, index: BucketChunk) -> PyTree:
         """The chunk: token leaves packed into lines, other leaves per slot, and the
         packing keys (``segment_ids``, ``position_ids``, ``segment_starts``)."""
         lines = self.where(index)
         real = lines.segment > 0
         shards, n = self.num_shards, self.batch_size // self.num_shards
+        count, length = self.lines[index.bucket], self.lengths[index.bucket]
 
         def one(x):
             if not self._trimmed(x):
@@ -319,19 +404,19 @@ class PackPlan(NamedTuple):
             flat = reshape(x, (shards, n * self.padded, *x.shape[2:]))
             at = lines.source.reshape(shards, -1, *[1] * (x.ndim - 2))
             piece = jnp.take_along_axis(flat, at, axis=1)
-            piece = reshape(piece, (shards * self.lines, self.padded, *x.shape[2:]))
-            keep = real.reshape(-1, self.padded, *[1] * (x.ndim - 2))
+            piece = reshape(piece, (shards * count, length, *x.shape[2:]))
+            keep = real.reshape(-1, length, *[1] * (x.ndim - 2))
             return jnp.where(keep, piece, jnp.zeros_like(piece))
 
         chunk = dict(jax.tree.map(one, tree))
-        lined = (shards * self.lines,)
+        lined = (shards * count,)
         flat = lambda a: self.layout.reshape(a, (*lined, *a.shape[2:])).astype(jnp.int32)
         chunk[SEGMENT_IDS] = flat(lines.segment)
         chunk.setdefault(POSITION_IDS, flat(lines.position))
         chunk[SEGMENT_STARTS] = flat(lines.starts)
         return chunk
 
-    def take_cotangent(self, tree: PyTree, index: Any) -> PyTree:
+    def take_cotangent(self, tree: PyTree, index: BucketChunk) -> PyTree:
         """The chunk's slots of a representation gradient; zero on empty slots."""
         lines = self.where(index)
         return token_rows.take_rows(tree, *self._slots(lines), self.num_shards)
@@ -339,11 +424,22 @@ class PackPlan(NamedTuple):
     def _slots(self, lines: Lines) -> tuple[jax.Array, jax.Array]:
         return (lines.rows.reshape(self.num_shards, -1), lines.valid.reshape(self.num_shards, -1))
 
-    def put(self, buffer: PyTree, chunk: PyTree, index: Any) -> PyTree:
+    def put(self, buffer: PyTree, chunk: PyTree, index: BucketChunk) -> PyTree:
         """Writes the chunk's slots (not its empty ones) to their rows of ``buffer``."""
         return token_rows.put_rows(buffer, chunk, *self._slots(self.where(index)), self)
 
     def same_outputs(self, shapes: list[PyTree], name: str) -> PyTree:
+        """Checks that every bucket's chunk gives outputs of one shape; returns the first."""
+        for c, other in enumerate(shapes[1:], 1):
+            if found := _validation.first_mismatch(shapes[0], other):
+                where, x, y = found
+                raise ValueError(
+                    f"{name} returned {where} of shape {tuple(x.shape)} ({x.dtype}) for "
+                    f"lines of {self.lengths[0]} tokens but {tuple(y.shape)} ({y.dtype}) for "
+                    f"lines of {self.lengths[c]} tokens; with a TokenPacking every output is "
+                    "one representation per slot, [lines * segments, ...], whose shape does "
+                    "not depend on the line's length (pool each row, gc_jax.packing.mean_pool)."
+                )
         return shapes[0]
 
     def reference(self, encode, params: PyTree, batch: PyTree, key, trim: bool = True) -> PyTree:
@@ -354,51 +450,76 @@ class PackPlan(NamedTuple):
         if not trim:
             return encode(params, batch, key)
 
-        def encoded(turn):
-            return encode(params, self.take(batch, turn), _keys.chunk_key(key, turn))
+        def encoded(chunk):
+            return encode(params, self.take(batch, chunk), _keys.chunk_key(key, self.number(chunk)))
 
-        shape = jax.eval_shape(lambda: encoded(jnp.int32(0)))
-        out = jax.tree.map(lambda r: jnp.zeros((self.batch_size, *r.shape[1:]), r.dtype), shape)
+        shapes = [jax.eval_shape(lambda c=c: encoded(c)) for c in self.samples()]
+        zeros = lambda r: jnp.zeros((self.batch_size, *r.shape[1:]), r.dtype)
+        out = jax.tree.map(zeros, self.same_outputs(shapes, "encode"))
+        for c, count in enumerate(self.lines):
 
-        def turn(out, t):
-            rows, valid = self._slots(self.where(t))
-            rows = jnp.where(valid, rows, self.batch_size).reshape(-1)  # empty: dropped
-            put = lambda o, r: o.at[rows].set(r.astype(o.dtype), mode="drop")
-            return jax.tree.map(put, out, encoded(t)), None
+            def turn(out, t, c=c):
+                rows, valid = self._slots(self.where(BucketChunk(c, t)))
+                rows = jnp.where(valid, rows, self.batch_size).reshape(-1)  # empty: dropped
+                put = lambda o, r: o.at[rows].set(r.astype(o.dtype), mode="drop")
+                return jax.tree.map(put, out, encoded(BucketChunk(c, t))), None
 
-        out, _ = jax.lax.scan(turn, out, jnp.arange(-(-self.batch_size // self.lines)))
+            out, _ = jax.lax.scan(turn, out, jnp.arange(-(-self.batch_size // count)))
         return out
 
 
-def _place(sizes: jax.Array, line_length: int, segments: int) -> tuple[jax.Array, jax.Array]:
-    """Lines of one shard's rows, ``sizes`` their lengths longest first (as
+def _place(sizes: jax.Array, line_length: Any, segments: int, count: jax.Array):
+    """Lines of a shard's first ``count`` rows, ``sizes`` their lengths longest first (as
     :func:`pack_lines`, by one ``lax.scan`` over the rows).
 
     Returns:
       ``(placed, first)``: ``placed[i]``, the position in ``sizes`` of the ``i``-th
-      row placed; ``first[k]``, where line ``k`` starts among the placed rows
-      (``[n + 1]``, ``n`` past the last line).
+      row placed (``i`` itself from ``count`` on); ``first[k]``, where line ``k``
+      starts among the placed rows (``[n + 1]``, ``n`` past the last line).
     """
     n = sizes.shape[0]
 
-    def step(carry, _):
-        front, back, used, count = carry
+    def step(carry, i):
+        front, back, used, slots = carry
         back_size = sizes[jnp.maximum(back, 0)]
-        more = (count > 0) & (count < segments) & (used + back_size <= line_length)
+        more = (slots > 0) & (slots < segments) & (used + back_size <= line_length)
         at = jnp.where(more, back, front)
-        size = sizes[at]
-        carry = (
-            front + (~more), back - more, jnp.where(more, used, 0) + size,
-            jnp.where(more, count, 0) + 1,
+        moved = (
+            front + (~more), back - more, jnp.where(more, used, 0) + sizes[at],
+            jnp.where(more, slots, 0) + 1,
         )  # fmt: skip
-        return carry, (at, ~more)
+        live = i < count
+        carry = jax.tree.map(lambda a, b: jnp.where(live, a, b), moved, carry)
+        return carry, (jnp.where(live, at, i), live & ~more)
 
     zero = sizes[0] * 0  # typed like the rows (varying over a shard_map axis)
-    _, (placed, new) = jax.lax.scan(step, (zero, zero + n - 1, zero, zero), None, length=n)
+    carry = (zero, zero + count - 1, zero, zero)
+    _, (placed, new) = jax.lax.scan(step, carry, jnp.arange(n, dtype=zero.dtype))
     line = jnp.cumsum(new) - 1
     at = jnp.where(new, line, n + 1)  # a line's first row; the others are dropped
     first = jnp.full((n + 1,), n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     return placed, first
+
+
+def _bucket_lines(length, bucket, c, width, segments):
+    """Bucket ``c``'s lines of ``width`` tokens, every shard's: ``order, sizes, before,
+    first, used`` (see :class:`PackPlan`). The bucket's rows come first, longest first,
+    then the others, shortest first: a shard without rows of the bucket gets one made-up
+    line holding its shortest row (cut to ``width``; nothing of it is written), so that
+    no line is empty."""
+    mine = bucket == c
+    order = jnp.argsort(jnp.where(mine, -length, length + width), axis=1, stable=True)
+    sizes = jnp.take_along_axis(length, order, axis=1)
+    count = jnp.sum(mine, axis=1).astype(sizes.dtype)
+    placed, first = jax.vmap(lambda s, k: _place(s, width, segments, k))(sizes, count)
+    order = jnp.take_along_axis(order, placed, axis=1)
+    sizes = jnp.take_along_axis(sizes, placed, axis=1)
+    before = jnp.concatenate([jnp.zeros_like(sizes[:, :1]), jnp.cumsum(sizes, axis=1)], axis=1)
+    used = jnp.sum(first < order.shape[1], axis=1)
+    # The last line ends at the bucket's last row (the other buckets' rows follow it).
+    first = jnp.where(jnp.arange(first.shape[1]) == used[:, None], count[:, None], first)
+    made_up = jnp.where((used == 0)[:, None], jnp.arange(2), first[:, :2])
+    return order, sizes, before, first.at[:, :2].set(made_up), used
 
 
 def make_plan(batch: PyTree, packing: TokenPacking, name: str,
@@ -419,18 +540,15 @@ def make_plan(batch: PyTree, packing: TokenPacking, name: str,
     batch_size = jax.tree.leaves(batch)[0].shape[0]
     padded = token_rows.padded_length(batch, packing, name)
     token_rows.warn_float_columns(batch, padded, name, packing)
-    lines, _ = packing.chunk_shape(padded, batch_size // num_shards)
+    shapes = packing.chunk_shapes(padded, batch_size // num_shards)
+    lines, widths = tuple(r for r, _ in shapes), tuple(n for _, n in shapes)
     length = token_rows.row_lengths(batch, packing, name).reshape(num_shards, -1)
     # A row without tokens takes a line of its own, as the unpacked batch encodes it: its
     # tokens attend to no key, so e.g. its first token's output depends on all L of them.
     length = jnp.where(length > 0, length, padded).astype(jnp.int32)
-    order = jnp.argsort(-length, axis=1, stable=True)
-    sizes = jnp.take_along_axis(length, order, axis=1)
-    placed, first = jax.vmap(lambda s: _place(s, padded, packing.segments))(sizes)
-    order = jnp.take_along_axis(order, placed, axis=1)
-    sizes = jnp.take_along_axis(sizes, placed, axis=1)
-    before = jnp.concatenate([jnp.zeros_like(sizes[:, :1]), jnp.cumsum(sizes, axis=1)], axis=1)
-    used = jnp.sum(first < order.shape[1], axis=1)  # lines of each shard
-    trips = jnp.max(-(-used // lines))
-    return PackPlan(batch_size, num_shards, padded, lines, packing.segments, order, sizes,
-                    before, first, used, trips, layout)  # fmt: skip
+    bucket = spans.bucket_of(length, widths, jnp)
+    arrays = [_bucket_lines(length, bucket, c, n, packing.segments) for c, n in enumerate(widths)]
+    order, sizes, before, first, used = (jnp.stack(a) for a in zip(*arrays, strict=True))
+    trips = jnp.max(-(-used // jnp.asarray(lines)[:, None]), axis=1)
+    return PackPlan(batch_size, num_shards, padded, widths, lines, packing.segments, order,
+                    sizes, before, first, used, trips, layout)  # fmt: skip

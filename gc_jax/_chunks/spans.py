@@ -154,21 +154,24 @@ def encoded_cost(lengths: np.ndarray, tokens: int, buckets: tuple[int, ...],
     return chunks @ chunk_costs(rows, buckets, attention_width)
 
 
-def propose_buckets(lengths: np.ndarray, tokens: int, padded_length: int, max_buckets: int,
-                    multiple: int, min_saving: float,
-                    attention_width: float | None = None) -> tuple[int, ...]:  # fmt: skip
-    """Buckets (multiples of ``multiple``, and ``padded_length``) whose plan costs least
-    over the batches of ``lengths``: encodes the fewest tokens, or with
-    ``attention_width`` the fewest modelled FLOPs (:func:`encoded_cost`).
+def budget_cost(lengths: np.ndarray, tokens: int, attention_width: float | None = None):
+    """``cost(buckets)``: the mean modelled cost (:func:`encoded_cost`) of a budget's
+    plan over the batches of ``lengths``, as :func:`propose_buckets` scores it."""
+    return lambda buckets: float(encoded_cost(lengths, tokens, buckets, attention_width).mean())
+
+
+def propose_buckets(lengths: np.ndarray, padded_length: int, max_buckets: int, multiple: int,
+                    min_saving: float, cost, starts: tuple = ()) -> tuple[int, ...]:  # fmt: skip
+    """Buckets (multiples of ``multiple``, and ``padded_length``) of least ``cost`` (a
+    function of the buckets, e.g. :func:`budget_cost`) over the batches of ``lengths``.
 
     Buckets are added one at a time (the one that saves most) while one saves at
-    least ``min_saving`` of the cost; then, from that set and from as many buckets
-    at equally spaced quantiles of the lengths (and, with ``attention_width``, from the
-    buckets fitted to the tokens), each bucket is moved in turn to its best place while
-    that helps, and the cheapest result is kept.
+    least ``min_saving`` of the cost; then, from that set, from as many buckets at
+    equally spaced quantiles of the lengths, from powers of 2 and from ``starts`` (e.g.
+    the buckets fitted to the tokens), each bucket is moved in turn to its best place
+    while that helps, and the cheapest result is kept.
     """
     candidates = list(range(multiple, padded_length, multiple))
-    cost = lambda buckets: float(encoded_cost(lengths, tokens, buckets, attention_width).mean())
     chosen, current = (padded_length,), cost((padded_length,))
     while len(chosen) < max_buckets:
         scored = [(cost(t), t) for t in _with_each(chosen, candidates)]
@@ -178,10 +181,7 @@ def propose_buckets(lengths: np.ndarray, tokens: int, padded_length: int, max_bu
     count = len(chosen) - 1
     quantiles = np.quantile(lengths, np.arange(1, count + 1) / (count + 1))
     halves = [padded_length >> (count - i) for i in range(count)]  # L/2^count, ..., L/2
-    starts = [chosen]
-    if attention_width is not None:  # the tokens' buckets: a start the greedy steps can miss
-        starts.append(propose_buckets(lengths, tokens, padded_length, max_buckets, multiple,
-                                      min_saving))  # fmt: skip
+    starts = [chosen, *starts]
     for guess in (quantiles, halves):
         near = {min(max(multiple, -(-int(n) // multiple) * multiple), padded_length) for n in guess}
         starts.append((*sorted(near - {padded_length}), padded_length))

@@ -10,8 +10,9 @@ a budget.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,69 @@ def checked_lengths(lengths: Any, padded_length: Any, method: str, argument: str
             "and the batch's padded length."
         )
     return array
+
+
+def checked_buckets(buckets: Any, kind: str) -> tuple[int, ...]:
+    """``buckets=`` of a ``kind``: a non-empty tuple of strictly increasing positive ints."""
+    found = tuple(buckets) if isinstance(buckets, tuple | list) else None
+    if not found:
+        raise TypeError(
+            f"{kind}(buckets=...) must be a non-empty tuple of increasing padded lengths, "
+            f"e.g. (32, 64, 128, 256), got {buckets!r}."
+        )
+    for i, b in enumerate(found):
+        positive_int(b, f"{kind}(buckets=...) buckets[{i}]")
+    if any(a >= b for a, b in itertools.pairwise(found)):
+        raise ValueError(
+            f"{kind}(buckets=...) must increase strictly, got {found}; pass them "
+            f"sorted without repeats, e.g. {tuple(sorted(set(found)))}."
+        )
+    return tuple(int(b) for b in found)
+
+
+def check_fit(attention_width: Any, max_buckets: Any, multiple: Any, min_saving: Any,
+              method: str) -> None:  # fmt: skip
+    """The arguments of a ``for_lengths`` that fits buckets (``method``, e.g.
+    ``"TokenBudget.for_lengths"``): ``attention_width`` None or a positive finite
+    number, ``max_buckets`` and ``multiple`` positive ints, ``min_saving`` a share."""
+    where, width = f"{method}(attention_width=...)", attention_width
+    if width is not None and (
+        not isinstance(width, int | float | np.integer | np.floating) or isinstance(width, bool)
+    ):
+        raise TypeError(
+            f"{where} must be the encoder's width (a positive number, e.g. its hidden size "
+            f"768) or None, got {width!r} of type {type(width).__name__}."
+        )
+    if width is not None and not (np.isfinite(width) and width > 0):
+        raise ValueError(
+            f"{where} must be a positive finite width, e.g. the encoder's hidden size 768, "
+            f"got {width!r}; pass None to fit the buckets to the tokens alone."
+        )
+    for name, value in (("max_buckets", max_buckets), ("multiple", multiple)):
+        positive_int(value, f"{method}({name}=...)")
+    if not isinstance(min_saving, int | float) or not 0 <= min_saving < 1:
+        raise ValueError(f"{method}(min_saving=...) must be a share in [0, 1), got {min_saving!r}.")
+
+
+def bucket_lengths(buckets: tuple[int, ...], padded_length: int, kind: str) -> tuple[int, ...]:
+    """The buckets a batch padded to ``padded_length`` tokens uses (the last is it), or
+    a ValueError where a row may be longer than every bucket of the ``kind``."""
+    if padded_length > buckets[-1]:
+        raise ValueError(
+            f"the batch is padded to {padded_length} tokens but the largest bucket of "
+            f"{kind}(buckets={buckets}) is {buckets[-1]}: rows may be longer than every "
+            f"bucket. Add {padded_length} to buckets, or pad and truncate the batch to at "
+            f"most {buckets[-1]} tokens."
+        )
+    return (*(b for b in buckets if b < padded_length), padded_length)
+
+
+class BucketChunk(NamedTuple):
+    """Chunk ``turn`` (traced) of bucket ``bucket`` (static): a budget's or a packing's
+    chunk index (a packing's buckets are its line lengths)."""
+
+    bucket: int
+    turn: Any
 
 
 # ------------------------------------------------------------------ lengths, in a trace
