@@ -364,12 +364,20 @@ def test_the_testing_helper_catches_an_encoder_that_ignores_the_packing():
         gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, PACKING, params, q, d)
 
 
-def test_shard_map_packs_per_device():
+@pytest.mark.parametrize("chunking", [PACKING, BUCKETED])
+def test_shard_map_packs_per_device(chunking):
+    """Each device packs its own rows. With buckets, some devices have no row of some
+    bucket (the lognormal queries' long ones): they encode a made-up line that writes
+    nothing, and the step stays exact (no NaN from an empty line)."""
     mesh = jax.make_mesh((8,), ("d",))
     params, encoders = make_params(), towers()
     q, d = text_batch(48, "lognormal", 14), text_batch(48, "uniform", 15)
+    per_device = chunking.chunk_counts(lengths_of(q).reshape(8, -1), PADDED)
+    if chunking.buckets:
+        long_rows = (lengths_of(q).reshape(8, -1) > 8).sum(1)
+        assert (long_rows == 0).any() and per_device[(4, PADDED)] > 0
     loss = lambda p, q, d: loss_fn(p, q, d, axis_name="d")
-    grad_fn = gc_jax.cached_value_and_grad(loss, encoders, PACKING, axis_name="d")
+    grad_fn = gc_jax.cached_value_and_grad(loss, encoders, chunking, axis_name="d")
     step = jax.jit(
         jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=(P(), P()))
     )
@@ -378,8 +386,9 @@ def test_shard_map_packs_per_device():
     chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
 
 
-@pytest.mark.parametrize("set_mesh", [False, True])
-def test_sharded_jit_over_explicit_axes(set_mesh):
+@pytest.mark.parametrize(("set_mesh", "chunking"), [(False, PACKING), (True, PACKING),
+                                                     (False, BUCKETED)])  # fmt: skip
+def test_sharded_jit_over_explicit_axes(set_mesh, chunking):
     """Explicit axes (``jax.make_mesh``'s default), with and without ``jax.set_mesh``:
     each device's rows packed on their own, exact."""
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
@@ -387,7 +396,7 @@ def test_sharded_jit_over_explicit_axes(set_mesh):
     q, d = text_batch(32, "lognormal", 16, lang=True), text_batch(32, "short", 17)
     put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
     want = full_batch(loss_fn, encoders, params, q, d)
-    cached = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, PACKING))
+    cached = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunking))
     with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
         got = cached(params, put(q), put(d))
     chex.assert_trees_all_close(jax.device_get(got), want, **TOL)
@@ -451,6 +460,8 @@ def test_differentiating_the_batch_is_refused():
             TypeError,
             r"TokenPacking\(lengths=\.\.\.\) must be",
         ),
+        ({"tokens": 64, "segments": 4, "buckets": 16}, TypeError, r"buckets=\.\.\.\) must be a"),
+        ({"tokens": 64, "segments": 4, "buckets": (8, 4)}, ValueError, "must increase strictly"),
     ],
 )
 def test_bad_packing(kwargs, error, match):
@@ -553,3 +564,47 @@ def test_for_lengths_picks_segments_that_never_limit_a_line():
         gc_jax.TokenPacking.for_lengths([[PADDED + 1]], 64, PADDED)
     with pytest.raises(ValueError, match="smaller than one line"):
         gc_jax.TokenPacking.for_lengths(sample, 8, PADDED)
+
+
+def test_buckets_name_a_batch_longer_than_every_line():
+    encode = lambda p, x, key: packing.mean_pool(p["q"]["emb"][x["input_ids"]], x)
+    too_short = gc_jax.TokenPacking(64, 4, buckets=(4, 8))
+    with pytest.raises(ValueError, match=r"padded to 16 tokens.*Add 16 to buckets"):
+        gc_jax.chunked_encoder(encode, too_short)(make_params(), text_batch(4, "short", 0))
+
+
+def test_buckets_refuse_outputs_that_depend_on_the_line_length():
+    per_token = lambda p, x, key: jnp.zeros((x["segment_starts"].size, x["input_ids"].shape[1]))
+    q = text_batch(16, "uniform", 26)
+    said = r"\(64, 4\) \(float32\) for lines of 4 tokens but \(32, 8\).*one representation"
+    with pytest.raises(ValueError, match=said):
+        gc_jax.chunked_encoder(per_token, BUCKETED)(make_params(), q)
+
+
+def test_the_testing_helper_checks_a_bucketed_packing():
+    params, encoders = make_params(), towers(dropout=0.25)
+    q, d = text_batch(20, "lognormal", 27), text_batch(20, "uniform", 28)
+    gc_jax.testing.assert_matches_full_batch(loss_fn, encoders, BUCKETED, params, q, d,
+                                             rng=jax.random.key(1))  # fmt: skip
+    with pytest.raises(AssertionError, match="rows depend on each other"):
+        gc_jax.testing.assert_matches_full_batch(loss_fn, towers(packed=False), BUCKETED,
+                                                 params, q, d)  # fmt: skip
+
+
+def test_for_lengths_fits_line_lengths_to_the_modelled_flops():
+    """With ``attention_width``, the line lengths cost fewer modelled FLOPs on the sample
+    than one line length (and than the fit's every start), ``segments`` still never
+    limits a line, and a wide encoder (attention cheap) keeps one line length."""
+    rng = np.random.default_rng(6)
+    sample = np.clip(np.round(rng.lognormal(np.log(20), 0.9, (4, 512))), 1, 128).astype(int)
+    fitted = gc_jax.TokenPacking.for_lengths(sample, 1024, 128, attention_width=8)
+    assert fitted.buckets is not None and fitted.buckets[-1] == 128
+    cost = token_packing._lines_cost(sample, 1024, 128, 8)
+    assert cost(fitted.buckets) < 0.95 * cost((128,))
+    for row in sample:
+        lines = token_packing._lines_of(row, fitted.buckets)
+        assert max(len(line) for line in lines) <= fitted.segments
+    assert gc_jax.TokenPacking.for_lengths(sample, 1024, 128, attention_width=1e6).buckets is None
+    assert gc_jax.TokenPacking.for_lengths(sample, 1024, 128).buckets is None
+    with pytest.raises(ValueError, match=r"for_lengths\(attention_width=\.\.\.\) must be a pos"):
+        gc_jax.TokenPacking.for_lengths(sample, 1024, 128, attention_width=-1.0)
