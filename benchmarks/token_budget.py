@@ -26,7 +26,9 @@ pairs; the data (``--data``):
   the packing also with attention within each row only, as a segment-aware kernel
   computes it) and how far its loss and gradients are from the rows'. Its settings
   also include ``fitted+flops``: ``TokenBudget.for_lengths(sample, R * L, L,
-  attention_width=d)``, the buckets fitted to the modelled FLOPs, attention included;
+  attention_width=d)``, the buckets fitted to the modelled FLOPs, attention included,
+  and ``packing+flops``: ``TokenPacking.for_lengths(sample, R * L, L,
+  attention_width=d)``, rows packed into lines of a few lengths fitted the same way;
 * ``heldout2``: a second held-out shape, fixed before it was measured (the guard
   against tuning to ``heldout``), differing in every respect: a 3-layer encoder of
   width d = 64 (2 heads, feed-forward 256), batch 192, ``R = 24`` rows, queries padded
@@ -292,6 +294,9 @@ def heldout_settings(args, fit, width: int) -> dict:
         "fitted": gc_jax.TokenBudget.for_lengths,
         "fitted+flops": flops,
         "packing": gc_jax.TokenPacking.for_lengths,
+        "packing+flops": lambda s, tokens, n: gc_jax.TokenPacking.for_lengths(
+            s, tokens, n, attention_width=width
+        ),
         "packing+attention": gc_jax.TokenPacking.for_lengths,
     }
     chosen = args.settings or list(makers)

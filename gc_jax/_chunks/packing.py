@@ -1,19 +1,23 @@
-"""``TokenPacking``: ``chunk_size`` counted in tokens, rows packed into lines of one shape.
+"""``TokenPacking``: ``chunk_size`` counted in tokens, rows packed into lines.
 
-The config (:class:`TokenPacking`: its checks, the chunk shape it compiles and the
-chunks a batch needs, with NumPy), its plan (:class:`PackPlan`) and :func:`make_plan`;
-the encoder's side of it is :mod:`gc_jax.packing`.
+The config (:class:`TokenPacking`: its checks, the chunk shapes it compiles and the
+chunks a batch needs, with NumPy, and :meth:`TokenPacking.for_lengths`'s fit), its
+plan (:class:`PackPlan`) and :func:`make_plan`; the encoder's side of it is
+:mod:`gc_jax.packing`.
 
-Under ``jax.jit`` the lengths are traced data. Each shard's rows are sorted longest
-first (a stable ``argsort``) and placed by one ``lax.scan`` over them: a line takes
-the longest row left, then the shortest rows left while they fit and it holds fewer
-than ``segments`` rows (:func:`pack_lines` does the same with NumPy). A line's rows
-are consecutive in the order of placement, so a plan is a few ``[rows]`` arrays: that
-order, the lengths in it, their running sum and where each line starts. Chunk ``c``
-holds lines ``c * lines .. (c + 1) * lines - 1``; their token gather is computed when
-the chunk is taken. The number of chunks is traced, so the passes run one loop with a
-traced trip count (as for a ``TokenBudget``). The cache stays in the batch's order;
-an output row per *slot* (a line's ``k``-th row) is written to its row.
+Under ``jax.jit`` the lengths are traced data. Each row goes to its bucket, the
+shortest line length that holds it (one bucket, ``L``, without ``buckets``). For each
+bucket, each shard's rows of the bucket are sorted longest first (a stable
+``argsort``) and placed by one ``lax.scan`` over them: a line takes the longest row
+left, then the shortest rows left while they fit and it holds fewer than
+``segments`` rows (:func:`pack_lines` does the same with NumPy). A line's rows are
+consecutive in the order of placement, so a bucket's plan is a few ``[rows]``
+arrays: that order, the lengths in it, their running sum and where each line starts.
+Chunk ``c`` of a bucket holds its lines ``c * lines .. (c + 1) * lines - 1``; their
+token gather is computed when the chunk is taken. The number of chunks is traced, so
+the passes run one loop per bucket with a traced trip count (as for a
+``TokenBudget``). The cache stays in the batch's order; an output row per *slot* (a
+line's ``k``-th row) is written to its row.
 """
 
 from __future__ import annotations
@@ -80,6 +84,13 @@ class TokenPacking:
         lines full; more slots cost output rows, not tokens.
       lengths: where each row's length comes from, as ``TokenBudget``: the key of the
         attention mask (default), or ``lengths(batch) -> int[rows]``.
+      buckets: ``None`` (default): every line is ``L`` tokens. Or increasing line
+        lengths, as ``TokenBudget``'s buckets (a batch padded to ``L`` uses those
+        shorter than ``L``, and ``L``): each row is packed into lines of the shortest
+        bucket that holds it, one chunk shape (``tokens // n`` lines of ``n``) and one
+        chunk loop per bucket. With dense attention over each line, short rows then
+        spend less on attention to other rows; :meth:`for_lengths` with
+        ``attention_width`` fits them.
 
     Examples:
       >>> import gc_jax
@@ -89,6 +100,9 @@ class TokenPacking:
       >>> lengths = [100, 20, 30, 128, 60, 40, 8, 70, 90, 120]
       >>> packing.chunk_counts(lengths, padded_length=128)  # 10 rows in 6 lines
       {(4, 128): 2}
+      >>> bucketed = gc_jax.TokenPacking(tokens=512, segments=4, buckets=(32, 64, 128))
+      >>> bucketed.chunk_counts(lengths, padded_length=128)  # 9 lines of 32, 64 or 128
+      {(10, 32): 1, (8, 64): 1, (4, 128): 2}
     """
 
     tokens: int
