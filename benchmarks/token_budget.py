@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["example", "lognormal", "heldout", "heldout2", "heldout3"],
         default="lognormal",
     )
-    add("--batch", type=int, default=256, help="pairs per step")
+    add("--batch", type=int, help="pairs per step (256; heldout2 192, heldout3 224)")
     add("--query-length", type=int, default=64, help="the queries' padded length")
     add("--document-length", type=int, default=512, help="the documents' padded length")
     add("--median", type=float, default=0.2, help="lognormal: median length / padded length")
@@ -133,9 +133,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.chunk_rows is None:
         args.chunk_rows = {"heldout2": 24, "heldout3": 28}.get(args.data, 32)
     if args.data == "heldout2":  # the second held-out shape (see the module's docstring)
-        args.batch, args.query_length, args.document_length = 192, 48, 384
+        args.query_length, args.document_length = 48, 384
     if args.data == "heldout3":  # the third
-        args.batch, args.query_length, args.document_length = 224, 40, 448
+        args.query_length, args.document_length = 40, 448
+    if args.batch is None:
+        args.batch = {"heldout2": 192, "heldout3": 224}.get(args.data, 256)
     return args
 
 

@@ -602,8 +602,8 @@ def test_for_lengths_fits_line_lengths_to_the_modelled_flops():
     cost = token_packing._lines_cost(sample, 1024, 128, 8)
     assert cost(fitted.buckets) < 0.95 * cost((128,))
     for row in sample:
-        lines = token_packing._lines_of(row, fitted.buckets)
-        assert max(len(line) for line in lines) <= fitted.segments
+        lines = token_packing.lines_by_bucket(row, fitted.buckets)
+        assert max(len(line) for bucket in lines for line in bucket) <= fitted.segments
     assert gc_jax.TokenPacking.for_lengths(sample, 1024, 128, attention_width=1e6).buckets is None
     assert gc_jax.TokenPacking.for_lengths(sample, 1024, 128).buckets is None
     with pytest.raises(ValueError, match=r"for_lengths\(attention_width=\.\.\.\) must be a pos"):

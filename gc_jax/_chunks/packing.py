@@ -182,7 +182,7 @@ class TokenPacking:
                                           min_saving, cost)  # fmt: skip
             buckets = found if len(found) > 1 else None
         widths = (padded_length,) if buckets is None else buckets
-        most = max(len(line) for row in array for line in _lines_of(row, widths))
+        most = max(len(line) for row in array for b in lines_by_bucket(row, widths) for line in b)
         return cls(tokens, max(most, 2), lengths, buckets)
 
     def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
@@ -220,24 +220,20 @@ class TokenPacking:
         array = token_rows.checked_lengths(lengths, padded_length, method, "lengths", "devices")
         shapes = self.chunk_shapes(padded_length, array.shape[1])
         widths = tuple(n for _, n in shapes)
-        lines = np.array([class_lines(row, widths, self.segments) for row in array]).max(axis=0)
+        lines = np.array(
+            [[len(b) for b in lines_by_bucket(row, widths, self.segments)] for row in array]
+        ).max(axis=0)
         return {shape: int(-(-k // shape[0])) for shape, k in zip(shapes, lines, strict=True)}
 
 
-def class_lines(lengths: Any, widths: tuple[int, ...], segments: int) -> list[int]:
-    """Lines of each line length ``widths[c]`` that one device's rows take (NumPy): each
-    row goes to the shortest that holds it (a row of length 0, to the last)."""
+def lines_by_bucket(lengths: Any, widths: tuple[int, ...], segments: int | None = None):
+    """Each line length's lines of one device's rows (NumPy; :func:`pack_lines` of the
+    rows each holds): a row goes to the shortest ``widths[c]`` that holds it (a row of
+    length 0, to the last). ``segments`` None: no limit on the rows a line holds."""
     lengths = np.asarray(lengths)
     lengths = np.where(lengths > 0, lengths, widths[-1])
     bucket = spans.bucket_of(lengths, widths, np)
-    return [len(pack_lines(lengths[bucket == c], n, segments)) for c, n in enumerate(widths)]
-
-
-def _lines_of(lengths: np.ndarray, widths: tuple[int, ...]) -> list[list[int]]:
-    """One device's lines, packed without a limit on the rows a line holds (NumPy)."""
-    lengths = np.where(lengths > 0, lengths, widths[-1])
-    bucket = spans.bucket_of(lengths, widths, np)
-    return [line for c, n in enumerate(widths) for line in pack_lines(lengths[bucket == c], n, n)]
+    return [pack_lines(lengths[bucket == c], n, segments or n) for c, n in enumerate(widths)]
 
 
 def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int, attention_width: float):
