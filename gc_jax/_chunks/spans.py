@@ -167,9 +167,10 @@ def propose_buckets(lengths: np.ndarray, padded_length: int, max_buckets: int, m
 
     Buckets are added one at a time (the one that saves most) while one saves at
     least ``min_saving`` of the cost; then, from that set, from as many buckets at
-    equally spaced quantiles of the lengths, from powers of 2 and from ``starts`` (e.g.
-    the buckets fitted to the tokens), each bucket is moved in turn to its best place
-    while that helps, and the cheapest result is kept.
+    equally spaced quantiles of the lengths, from as many halvings of ``padded_length``
+    (``L / 2``, ``L / 4``, ...) and from ``starts`` (e.g. the buckets fitted to the
+    tokens), each bucket is moved in turn to its best place while that helps, and the
+    cheapest result is kept.
     """
     candidates = list(range(multiple, padded_length, multiple))
     chosen, current = (padded_length,), cost((padded_length,))
