@@ -17,12 +17,17 @@ as ``TokenPacking(--lines * L, --segments)`` packs them, scaled by each
 form takes (the share of score blocks it computes), and the attention FLOPs of the
 packed step (value and gradient, every chunk): the dense form's, the blocked form's
 (each branch compiled alone on the TPU compiler, times the chunks that take it) and
-the rows' own (each row's attention alone, compiled at its length).
+the rows' own (each row's attention alone, compiled at its length). With
+``--buckets``: also the dense form over lines of a few lengths, as
+``TokenPacking(buckets=...)`` packs them (``fit``: ``TokenPacking.for_lengths`` with
+``attention_width`` the heads' width, fitted to the batch itself), each line length's
+chunk compiled alone, times its chunks.
 
 Usage::
 
     python -m benchmarks.packed_attention_tpu --topology v5e:1x1
     python -m benchmarks.packed_attention_tpu --data heldout --scale 0.5 1 2
+    python -m benchmarks.packed_attention_tpu --data heldout --buckets fit
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from gc_jax import packing
+from gc_jax import TokenPacking, packing
 from gc_jax._chunks.packing import pack_lines
 
 
@@ -52,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, nargs="+", default=[1.0], help="--data: length factors")
     p.add_argument("--segments", type=int, default=16, help="--data: rows per line at most")
     p.add_argument("--block-size", type=int, default=32, help="--data: the blocked form's blocks")
+    p.add_argument("--buckets", nargs="+",
+                   help="--data: also lines of these lengths (ints), or 'fit'")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-rounds", type=int, default=0,
                    help="--data: also time xla and blocked on XLA:CPU, rounds")  # fmt: skip
@@ -136,6 +143,23 @@ def row_flops(args, device, length: int, cache: dict) -> float:
     return cache[length]
 
 
+def bucket_flops(args, device, lengths: np.ndarray, padded: int) -> tuple:
+    """The line lengths of ``--buckets`` and the dense form's attention FLOPs over the
+    chunks of lines of those lengths that ``TokenPacking`` encodes for ``lengths``."""
+    tokens, width = args.lines * padded, args.heads * args.head_dim
+    if args.buckets == ["fit"]:
+        packed = TokenPacking.for_lengths(lengths, tokens, padded, attention_width=width)
+    else:
+        packed = TokenPacking(tokens, args.segments, buckets=tuple(map(int, args.buckets)))
+    packed = TokenPacking(tokens, args.segments, buckets=packed.buckets)  # --segments rows
+    dense = lambda q, k, v, ids: packing._dense(q, k, v, ids, ids)
+    flops = 0.0
+    for (lines, n), chunks in packed.chunk_counts(lengths, padded).items():
+        ids = ((lines, n), jnp.int32)
+        flops += chunks * attention_flops(device, (lines, n, args.heads, args.head_dim), dense, ids)
+    return packed.bucket_lengths(padded), flops
+
+
 def cpu_times(args, chunks: list, padded: int) -> dict:
     """CPU seconds (process time) of the value and gradient of every chunk's attention,
     ``"xla"`` and ``"blocked"`` interleaved, over ``--cpu-rounds`` rounds after a warm-up."""
@@ -187,6 +211,10 @@ def held_out(args, device) -> None:
               f"taken {taken} (of {len(branches)})")  # fmt: skip
         print(f"    dense lines {dense:.3e}, blocked {blocked:.3e} ({blocked / dense:.2f} of "
               f"dense), rows alone {own:.3e} ({own / dense:.2f} of dense)", flush=True)  # fmt: skip
+        if args.buckets:
+            widths, flops = bucket_flops(args, device, lengths, padded)
+            print(f"    dense lines of {widths} tokens {flops:.3e} ({flops / dense:.2f} of "
+                  "dense)", flush=True)  # fmt: skip
         if args.cpu_rounds:
             for name, t in cpu_times(args, chunks, padded).items():
                 print(f"    XLA:CPU, {name}: {np.median(t):.3f} CPU s a batch "

@@ -319,3 +319,28 @@ def test_fsdp_pod_counts_collectives_through_nested_loops():
     size = 16 * 32 * 4  # f32[1, 16, 32]: each device's rows
     assert found["looped"] == [12, 12 * size], found
     assert found["once"] == [1, size], found
+
+
+def test_packed_attention_counts_lines_of_one_length_as_the_dense_lines():
+    """``benchmarks.packed_attention_tpu --buckets``: with the padded length as the only
+    bucket, its count of the dense form over ``TokenPacking``'s chunks is the dense
+    lines' count over the benchmark's own packing (chunks x one chunk's FLOPs; counted
+    here by XLA:CPU), and a short bucket takes it down on long-tailed lengths."""
+    import jax
+    import numpy as np
+
+    from benchmarks import packed_attention_tpu as pat
+
+    rng, cpu = np.random.default_rng(0), jax.devices("cpu")[0]
+    lengths = np.clip(rng.lognormal(np.log(8), 0.8, 64).round(), 1, 64).astype(np.int64)
+    base = ["--data", "heldout", "--lines", "4", "--heads", "1", "--head-dim", "8"]
+    args = pat.parse_args([*base, "--segments", "8", "--buckets", "64"])
+    widths, flops = pat.bucket_flops(args, cpu, lengths, 64)
+    chunks = pat.chunk_segments(lengths, 64, args.lines, args.segments)
+    dense = lambda q, k, v, ids: pat.packing._dense(q, k, v, ids, ids)
+    one = pat.attention_flops(cpu, (4, 64, 1, 8), dense, ((4, 64), np.int32))
+    assert widths == (64,) and len(chunks) > 1
+    assert flops == len(chunks) * one, (flops, len(chunks), one)
+    args = pat.parse_args([*base, "--segments", "8", "--buckets", "16", "64"])
+    widths, fewer = pat.bucket_flops(args, cpu, lengths, 64)
+    assert widths == (16, 64) and fewer < flops, (fewer, flops)
