@@ -160,14 +160,7 @@ class TokenBudget:
           padded_length: the batch's padded length (axis 1 of its token arrays).
           rows: the batch's rows (per device where ``tokens`` is per device).
         """
-        if self.tokens < padded_length:
-            raise ValueError(
-                f"{type(self).__name__}(tokens={self.tokens}) is smaller than one row of the "
-                f"longest bucket ({padded_length} tokens, the batch's padded length); pass "
-                f"tokens of at least {padded_length}, e.g. tokens={padded_length * 16} for "
-                f"chunks of 16 rows of {padded_length} tokens."
-            )
-        return tuple((min(self.tokens // n, rows), n) for n in self.bucket_lengths(padded_length))
+        return token_rows.chunk_shapes(self, padded_length, rows, "row")
 
     def chunk_counts(self, lengths: Any, padded_length: int) -> dict[tuple[int, int], int]:
         """``{(rows, tokens): chunks}``: the chunks of each shape the step encodes.

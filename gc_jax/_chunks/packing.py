@@ -199,13 +199,7 @@ class TokenPacking:
           padded_length: the batch's padded length (axis 1 of its token arrays).
           rows: the batch's rows (per device where ``tokens`` is per device).
         """
-        if self.tokens < padded_length:
-            raise ValueError(
-                f"{type(self).__name__}(tokens={self.tokens}) is smaller than one line of the "
-                f"batch's padded length ({padded_length} tokens); pass tokens of at least "
-                f"{padded_length}, e.g. tokens={padded_length * 16} for chunks of 16 lines."
-            )
-        return tuple((min(self.tokens // n, rows), n) for n in self.bucket_lengths(padded_length))
+        return token_rows.chunk_shapes(self, padded_length, rows, "line")
 
     def chunk_counts(self, lengths: Any, padded_length: int) -> dict[tuple[int, int], int]:
         """``{(lines, tokens): chunks}``: the chunks the step encodes, computed with NumPy.

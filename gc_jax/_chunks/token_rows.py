@@ -122,6 +122,20 @@ def bucket_lengths(buckets: tuple[int, ...], padded_length: int, kind: str) -> t
     return (*(b for b in buckets if b < padded_length), padded_length)
 
 
+def chunk_shapes(config: Any, padded_length: int, rows: int, unit: str) -> tuple:
+    """``(min(tokens // n, rows), n)`` for each of ``config``'s bucket lengths ``n``
+    (a budget's or a packing's), or a ValueError where ``config.tokens`` does not hold
+    one ``unit`` (a row, a line) of ``padded_length`` tokens."""
+    if config.tokens < padded_length:
+        raise ValueError(
+            f"{type(config).__name__}(tokens={config.tokens}) is smaller than one {unit} of "
+            f"the batch's padded length ({padded_length} tokens); pass tokens of at least "
+            f"{padded_length}, e.g. tokens={padded_length * 16} for chunks of 16 {unit}s."
+        )
+    widths = config.bucket_lengths(padded_length)
+    return tuple((min(config.tokens // n, rows), n) for n in widths)
+
+
 class BucketChunk(NamedTuple):
     """Chunk ``turn`` (traced) of bucket ``bucket`` (static): a budget's or a packing's
     chunk index (a packing's buckets are its line lengths)."""
