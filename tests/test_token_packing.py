@@ -158,12 +158,13 @@ def test_empty_rows_take_a_line_of_their_own():
     assert sum(len(line) == 1 for line in lines) >= empty.sum()  # each alone in a line
 
 
-@pytest.mark.parametrize("chunking", [PACKING, gc_jax.TokenBudget(64, (4, 8, 16))])
+@pytest.mark.parametrize("chunking", [PACKING, BUCKETED, gc_jax.TokenBudget(64, (4, 8, 16))])
 def test_first_token_of_an_all_padding_row_is_exact(chunking):
     """Issue 34 (1): a row without tokens attends to no key, so its first token's output
     is a mean over all its ``L`` padding positions; it used to take one position of a
     shared line (or of its shortest bucket) and mix in other rows' tokens (a loss of
-    27.64 for 27.81, gradients 25 % off). Exact now, packed and under a budget."""
+    27.64 for 27.81, gradients 25 % off). Exact now, packed (a bucketed packing gives
+    it a line of the longest length) and under a budget."""
     params, encoders = make_params(), towers()  # documents: first-token pooling
     q, d = text_batch(24, "uniform", 20), text_batch(24, "with_empty", 21, lang=True)
     assert (lengths_of(d) == 0).sum() >= 3
@@ -246,16 +247,18 @@ def test_the_chunk_holds_each_row_once(chunking):
 
 
 def test_chunked_encoder_train_step_and_grad_cache_forms():
+    """Queries packed into one line length, documents into three."""
     params, encoders = make_params(), towers()
     q, d = text_batch(20, "lognormal", 6), text_batch(20, "uniform", 7)
     want = full_batch(loss_fn, encoders, params, q, d)
-    q_enc, d_enc = (gc_jax.chunked_encoder(e, PACKING) for e in encoders)
+    q_enc = gc_jax.chunked_encoder(encoders[0], PACKING)
+    d_enc = gc_jax.chunked_encoder(encoders[1], BUCKETED)
     chunked = jax.jit(jax.value_and_grad(
         lambda p, q, d: loss_fn(p, q_enc(p, q, None), d_enc(p, d, None))
     ))  # fmt: skip
     chex.assert_trees_all_close(chunked(params, q, d), want, **TOL)
     opt = optax.sgd(0.5)
-    step = jax.jit(gc_jax.make_train_step(loss_fn, encoders, PACKING, optimizer=opt))
+    step = jax.jit(gc_jax.make_train_step(loss_fn, encoders, (PACKING, BUCKETED), optimizer=opt))
     (new, _), metrics = step((params, opt.init(params)), q, d)
     chex.assert_trees_all_close(metrics["loss"], want[0], **TOL)
     want_new = jax.tree.map(lambda p, g: p - 0.5 * g, params, want[1])
@@ -545,7 +548,8 @@ def test_left_padding_and_a_lengths_callable_are_exact():
     q, d = text_batch(16, "short", 24), text_batch(16, "uniform", 25)
     q = {k: v[:, ::-1] for k, v in q.items()}  # left padding
     want = full_batch(loss_fn, encoders, params, q, d)
-    for chunking in [PACKING, gc_jax.TokenPacking(64, 4, lengths=lambda b: b["input_ids"][:, 0])]:
+    undercount = lambda b: b["input_ids"][:, 0]
+    for chunking in [PACKING, gc_jax.TokenPacking(64, 4, undercount, buckets=(4, 8, 16))]:
         got = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, chunking))(params, q, d)
         chex.assert_trees_all_close(got, want, **TOL)
 
