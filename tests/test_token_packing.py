@@ -371,7 +371,7 @@ def test_the_testing_helper_catches_an_encoder_that_ignores_the_packing():
 def test_shard_map_packs_per_device(chunking):
     """Each device packs its own rows. With buckets, some devices have no row of some
     bucket (the lognormal queries' long ones): they encode a made-up line that writes
-    nothing, and the step stays exact (no NaN from an empty line)."""
+    nothing, and the step stays exact (no NaN from an empty line), under ``pmap`` too."""
     mesh = jax.make_mesh((8,), ("d",))
     params, encoders = make_params(), towers()
     q, d = text_batch(48, "lognormal", 14), text_batch(48, "uniform", 15)
@@ -387,6 +387,11 @@ def test_shard_map_packs_per_device(chunking):
     put = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("d"))), t)
     got = step(params, put(q), put(d))
     chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
+    if chunking.buckets:  # pmap: the same per-device plans
+        split = lambda t: jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), t)
+        mapped = jax.pmap(grad_fn, axis_name="d", in_axes=(None, 0, 0), devices=jax.devices()[:8])
+        got = jax.tree.map(lambda x: x[0], mapped(params, split(q), split(d)))
+        chex.assert_trees_all_close(got, full_batch(loss_fn, encoders, params, q, d), **TOL)
 
 
 @pytest.mark.parametrize(("set_mesh", "chunking"), [(False, PACKING), (True, PACKING),
