@@ -601,14 +601,24 @@ def test_the_testing_helper_checks_a_bucketed_packing():
 
 def test_for_lengths_fits_line_lengths_to_the_modelled_flops():
     """With ``attention_width``, the line lengths cost fewer modelled FLOPs on the sample
-    than one line length (and than the fit's every start), ``segments`` still never
-    limits a line, and a wide encoder (attention cheap) keeps one line length."""
+    than one line length (and than the fit's every start), the cost modelled is that of
+    the chunks the step encodes, ``segments`` still never limits a line, and a wide
+    encoder (attention cheap) keeps one line length."""
     rng = np.random.default_rng(6)
     sample = np.clip(np.round(rng.lognormal(np.log(20), 0.9, (4, 512))), 1, 128).astype(int)
     fitted = gc_jax.TokenPacking.for_lengths(sample, 1024, 128, attention_width=8)
     assert fitted.buckets is not None and fitted.buckets[-1] == 128
     cost = token_packing._lines_cost(sample, 1024, 128, 8)
     assert cost(fitted.buckets) < 0.95 * cost((128,))
+    from gc_jax._chunks import spans  # the model counts the chunks the step encodes
+
+    def step_cost(row):
+        counts = fitted.chunk_counts(row, 128)
+        shapes = list(counts)
+        flops = spans.chunk_costs(*zip(*shapes, strict=True), attention_width=8)
+        return sum(counts[s] * f for s, f in zip(shapes, flops, strict=True))
+
+    np.testing.assert_allclose(cost(fitted.buckets), np.mean([step_cost(r) for r in sample]))
     for row in sample:
         lines = token_packing.lines_by_bucket(row, fitted.buckets)
         assert max(len(line) for bucket in lines for line in bucket) <= fitted.segments
