@@ -169,7 +169,9 @@ def attention(
         (``L`` a multiple of 128), else xla. On XLA:CPU ``"blocked"`` measured slower than
         ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips; see
         BENCHMARKS.md), so it is never chosen for you.
-      block_size: the blocked form's block length.
+      block_size: the blocked form's block length: it divides ``L``, or ``L`` is at most
+        one block (e.g. a short line length of a ``TokenPacking`` with ``buckets``),
+        whose attention is the dense form's.
 
     Returns:
       ``[lines, L, heads, head_dim]``, the dtype of ``query``.
@@ -198,13 +200,17 @@ def attention(
     empty = ~jnp.any(jnp.asarray(chunk[mask]) != 0, axis=1)[:, None, None, None]
     query = jnp.where(empty, jnp.zeros((), query.dtype), query)
     length = query.shape[1]
-    blocked = length % block_size == 0 and length > block_size
-    if implementation == "xla" or (implementation is None and length % 128):
+    dense = implementation == "xla" or (implementation is None and length % 128)
+    if dense or (implementation == "blocked" and length <= block_size):  # one block: dense
         return _dense(query, key, value, *ids)
     if implementation == "blocked":
-        if not blocked:
-            raise ValueError(f"packing.attention block_size: got {block_size}, which does "
-                             f"not divide L = {length} into blocks; write a divisor")  # fmt: skip
+        if length % block_size:
+            raise ValueError(
+                f"packing.attention block_size: got {block_size}, which does not divide "
+                f"L = {length} into blocks; write a divisor of {length}, or pack into line "
+                f"lengths that are multiples of it (TokenPacking.for_lengths(..., "
+                f"multiple={block_size}))."
+            )
         return _blocked(query, key, value, *ids, block_size)
     if implementation == "splash":
         return _splash(query, key, value, *ids)

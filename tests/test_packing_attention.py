@@ -134,8 +134,9 @@ def test_packed_step_matches_the_full_batch_unpacked():
     full = lambda p: loss(p, *(encoder("xla")(p, x, None) for x in (q, d)))
     expected = jax.jit(jax.value_and_grad(full))(params)
     packed = gc_jax.TokenPacking(tokens=4 * padded, segments=8)
-    for implementation in ("blocked", None):
-        grad_fn = gc_jax.cached_value_and_grad(loss, encoder(implementation), packed)
+    bucketed = gc_jax.TokenPacking(4 * padded, 8, buckets=(4, 8, 32))  # at most a block: dense
+    for implementation, chunking in [("blocked", packed), (None, packed), ("blocked", bucketed)]:
+        grad_fn = gc_jax.cached_value_and_grad(loss, encoder(implementation), chunking)
         chex.assert_trees_all_close(jax.jit(grad_fn)(params, q, d), expected,
                                     rtol=2e-5, atol=2e-6)  # fmt: skip
 
@@ -143,6 +144,7 @@ def test_packed_step_matches_the_full_batch_unpacked():
 @pytest.mark.parametrize("kwargs,match", [
     ({"implementation": "flash"}, "implementation: got 'flash'"),
     ({"implementation": "blocked", "block_size": 5}, "block_size: got 5"),
+    ({"implementation": "blocked", "block_size": 6}, r"multiples of it \(TokenPacking.*multiple=6"),
 ])  # fmt: skip
 def test_errors_name_the_argument(kwargs, match):
     chunk = packed_chunk([[4, 4]], 16)
