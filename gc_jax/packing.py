@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gc_jax._chunks import token_rows
 from gc_jax._chunks.packing import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
 from gc_jax._chunks.token_rows import MASK
 
@@ -194,6 +195,7 @@ def attention(
     if query.ndim != 4 or key.shape != query.shape or value.shape[:3] != query.shape[:3]:
         raise ValueError("packing.attention: query, key and value must be [lines, L, heads, "
                          f"head_dim]; got {query.shape}, {key.shape}, {value.shape}")  # fmt: skip
+    block_size = token_rows.positive_int(block_size, "packing.attention(block_size=...)")
     ids = segment_ids(chunk, mask)
     # A line without a kept key: equal scores (a uniform mean), as a dense mask filled
     # with a large negative gives, and no gradient to the queries and keys.

@@ -151,3 +151,11 @@ def test_errors_name_the_argument(kwargs, match):
     x = jnp.ones((1, 16, HEADS, DIM))
     with pytest.raises(ValueError, match=match):
         packing.attention(x, x, x, chunk, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, 8.0, True])
+def test_block_size_must_be_a_positive_int(bad):
+    chunk = packed_chunk([[4, 4]], 16)
+    x = jnp.ones((1, 16, HEADS, DIM))
+    with pytest.raises(TypeError, match=r"attention\(block_size=\.\.\.\) must be a positive int"):
+        packing.attention(x, x, x, chunk, implementation="blocked", block_size=bad)
