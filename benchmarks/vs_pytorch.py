@@ -51,6 +51,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -272,7 +273,11 @@ def _jax_batch(args: argparse.Namespace, step, params, rows: int, start: float) 
 
 def jax_worker(args: argparse.Namespace) -> None:
     """One JSON line per batch: gc_jax's step in ``--precision``; stops at an error."""
+    import jax
+
     step, params, base = _jax_step(args)
+    if jax.default_backend() == "cpu" and shutil.which("nvidia-smi") and not args.tiny:
+        sys.exit("gc_jax worker: JAX fell back to the CPU on a machine with a GPU (see above)")
     _progress(args, f"ready ({base['device']}, {base['attention']} attention)")
     start = time.perf_counter()
     for rows in args.batches:
@@ -402,15 +407,17 @@ def run_worker(args: argparse.Namespace, worker: str, extra: list[str], python: 
            args.fp32_matmul, "--budget-s", f"{budget:.0f}", *extra,
            *(["--tiny"] if args.tiny else []),
            *(["--torch-compile"] if args.torch_compile else [])]  # fmt: skip
-    # Each worker has the device to itself: JAX may take 95 % of it (both names of the knob).
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", XLA_CLIENT_MEM_FRACTION="0.95")
+    # Each worker has the device to itself: JAX may take 95 % of it. One name of the knob
+    # only: jaxlib refuses both at once, and then falls back to the CPU (an H200 run did).
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
+    env.pop("XLA_CLIENT_MEM_FRACTION", None)
     t0 = time.perf_counter()
     stdout, code, err = _run(cmd, env, timeout=min(budget + 300, left))
     # Where the time goes (a run on an H200 printed nothing for minutes): every worker.
     print(f"  [{worker} {args.precision}: {time.perf_counter() - t0:.1f} s]", flush=True)
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if code:
-        last = err.strip().splitlines()[-1:] if err else []
+        last = err.strip().splitlines()[-3:] if err else []
         print(f"  {worker}: exit {code} after {len(rows)} batch(es): {' '.join(last)[:400]}")
         rows.append({"framework": worker, "status": f"exit {code}", "error": " ".join(last)[-400:],
                      "precision": args.precision})  # fmt: skip
