@@ -28,6 +28,7 @@ EncoderView = Literal["auto", "local", "global"]
   (FSDP weights gathered per layer, activations constrained by rows). The compiler
   places the gradient reductions (per chunk, or once per loop).
 * ``"auto"``: ``"local"`` when every input is split the same way, no parameter is
-  sharded over the batch axes (by its explicit type) and the encoder traces so;
-  else ``"global"``.
+  sharded over the batch axes (by its explicit type), the encoder traces so and its
+  jaxpr has no sharding annotation naming a batch axis (MaxText's activation
+  constraints); else ``"global"``, what plain ``jit`` does.
 """

@@ -236,8 +236,8 @@ def call_nnx(
             module = nnx.view(module, deterministic=True)
     else:
         streams = {s.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)}
-        if streams:
-            nnx.reseed(module, **dict.fromkeys(streams, key))
+        if streams:  # a scanned stack's streams hold a key per layer: split to match
+            nnx.reseed(module, policy="match_shape", **dict.fromkeys(streams, key))
     stats = _batch_stats(module)
     out = call_with_chunk(getattr(module, method), chunk)
     updated = [path for path, v, before in stats if v.get_value() is not before]

@@ -96,7 +96,7 @@ def per_device(inputs: list[Input], params: PyTree, view: EncoderView = "auto") 
     chosen = [inp._replace(per_device=True) for inp in inputs]
     for inp, spanning in zip(chosen, inputs, strict=True):
         try:
-            output_shapes(inp, params)  # traces the encoder under shard_map
+            jaxprs = traced(inp, params)  # the encoder under shard_map
         except Exception as e:
             if view == "local":
                 _device_view.explain(e)
@@ -104,13 +104,32 @@ def per_device(inputs: list[Input], params: PyTree, view: EncoderView = "auto") 
             # Written for the global view (annotations naming the batch axes): keep it
             # so, if it traces there; else this raises the error of that view too.
             output_shapes(spanning, params)
-            logging.getLogger("gc_jax").info(
-                "%s does not trace on each device's rows; its chunks span the devices "
-                "(encoder_view='global').",
-                inp.name,
+            _log_spanning(inp, "does not trace on each device's rows")
+            return inputs
+        axes = inp.plan.layout.axes
+        found = next(filter(None, (_device_view.batch_annotation(j, axes) for j in jaxprs)), None)
+        if found and view == "local":
+            raise ValueError(
+                f"encoder_view='local' cannot be used here: {inp.name} names the batch axes "
+                f"{axes!r} in a sharding annotation ({found}), which inside shard_map over "
+                "them names manual axes; use encoder_view='auto' or 'global' (the chunk then "
+                "spans the devices, as under plain jit)."
             )
+        if found:
+            _log_spanning(inp, f"names the batch axes {axes!r} in a sharding annotation ({found})")
             return inputs
     return chosen
+
+
+def _log_spanning(inp: Input, why: str) -> None:
+    logging.getLogger("gc_jax").info(
+        "%s %s; its chunks span the devices (encoder_view='global').", inp.name, why
+    )
+
+
+def traced(inp: Input, params: PyTree) -> list:
+    """The jaxprs of the encoder on the plan's sample chunks."""
+    return [jax.make_jaxpr(_encoder(inp, c))(params, _diff(inp, c)) for c in inp.plan.samples()]
 
 
 def _key(inp: Input, c) -> jax.Array | None:

@@ -218,8 +218,9 @@ def cached_value_and_grad(
         device encodes its own rows as plain local arrays (``"local"``: data
         parallel; an embedding lookup needs no annotation) or the chunk spans the
         devices as a sharded global array (``"global"``: the encoder's own sharding
-        annotations apply, e.g. FSDP). ``"auto"`` (default): local where it can, else
-        global. The gradients are the same; see :doc:`/scaling_out`.
+        annotations apply, e.g. FSDP). ``"auto"`` (default): local where that is
+        known to be right (replicated weights, no annotation naming the batch axes),
+        else global. The gradients are the same; see :doc:`/scaling_out`.
 
     Returns:
       ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``

@@ -215,3 +215,62 @@ def test_nnx_batch_norm_on_running_statistics_with_dropout():
     with pytest.raises(ValueError, match=r"updated its nnx.BatchStat.*model.norm.mean"):
         grad_fn = gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(model), 4)
         jax.eval_shape(lambda p: grad_fn(p, q, d, rng=jax.random.key(0)), params)
+
+
+class ScannedDropoutStack(nnx.Module):
+    """Layers made by ``nnx.vmap`` and run by ``nnx.scan``, each with ``nnx.Dropout``
+    (MaxText's ``scan_layers=True``): the dropout stream holds one key per layer."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 3):
+        self.embed = nnx.Linear(6, 8, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def block(rngs):
+            return Block(rngs)
+
+        self.blocks = block(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return run(self.embed(x), self.blocks)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(8, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.dropout(nnx.gelu(self.dense(h)))
+
+
+def test_nnx_scanned_layers_with_dropout_in_every_form():
+    """Dropout inside scanned layers is replayed exactly by nnx_encoder, GradCache and
+    make_train_step; each layer draws its own mask from the chunk's key."""
+    model = ScannedDropoutStack(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    q, d = inputs()
+    encode = gc_jax.nnx_encoder(model)
+    reference = jax.jit(gc_jax.testing.full_batch_value_and_grad(loss, encode, 4))
+    want = reference(params, q, d, rng=jax.random.key(5))
+    assert not jnp.allclose(want[0], reference(params, q, d, rng=jax.random.key(6))[0])
+    got = jax.jit(gc_jax.cached_value_and_grad(loss, encode, 4))(
+        params, q, d, rng=jax.random.key(5)
+    )
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
+    gc = gc_jax.GradCache([model, model], 4, loss_fn=lambda a, b: loss(None, a, b))
+    by_class = jax.jit(lambda p, q, d, k: gc(q, d, rng=k, params=p))(
+        params, q, d, jax.random.key(5)
+    )
+    chex.assert_trees_all_close(by_class, want, rtol=2e-5, atol=2e-6)
+
+    step = gc_jax.make_train_step(loss, encode, 4, optimizer=optax.sgd(1.0))
+    tx = optax.sgd(1.0)
+    (new_params, _), metrics = jax.jit(step)((params, tx.init(params)), q, d, rng=jax.random.key(5))
+    chex.assert_trees_all_close(metrics["loss"], want[0], rtol=2e-5)
+    moved = jax.tree.map(lambda p, g: p - g, params, want[1])
+    chex.assert_trees_all_close(new_params, moved, rtol=2e-5, atol=2e-6)
