@@ -96,9 +96,9 @@ def test_a_vmapped_lookup_of_fsdp_weights_under_explicit_axes_names_the_fix():
     ids = [jax.device_put(jnp.arange(ROWS * 3).reshape(ROWS, 3) % 16,
                           NamedSharding(mesh, P("data")))] * 2  # fmt: skip
     step = gc_jax.cached_value_and_grad(loss_fn, encode, CHUNK)
-    with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match="Unmapped values passed to vmap") as info:
-            jax.jit(step)({"table": table}, *ids)
+    error = pytest.raises(ValueError, match="Unmapped values passed to vmap")
+    with jax.set_mesh(mesh), error as info:
+        jax.jit(step)({"table": table}, *ids)
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert "plain jit of the full batch fails the same way" in note
     assert "axis_types=(AxisType.Auto," in note and "batch_axis=" in note
