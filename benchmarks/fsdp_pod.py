@@ -12,6 +12,8 @@ Steps compared, at a global batch of ``pairs``:
 * ``gc``: ``gc_jax.cached_value_and_grad`` with ``--chunk`` query rows (and twice as
   many document rows: the same pairs) per device per chunk; the weights gathered layer
   by layer inside every chunk (``encoder_view="global"``).
+* ``gc-auto``: ``gc`` with the default ``encoder_view="auto"`` (it must choose
+  ``"global"``: the weights are FSDP-sharded in their explicit types).
 * ``gc-local``: the same, the weights gathered whole once per step and each device
   encoding its own rows (``encoder_view="local"``); full fine-tuning only.
 
@@ -66,7 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="query rows per device per chunk (documents: twice as many, the same pairs)",
     )  # fmt: skip
     parser.add_argument(
-        "--steps", nargs="+", choices=["plain", "gc", "gc-local"], default=["plain", "gc"]
+        "--steps",
+        nargs="+",
+        choices=["plain", "gc", "gc-auto", "gc-local"],
+        default=["plain", "gc"],
     )
     parser.add_argument("--train", choices=["full", "lora"], default="full")
     parser.add_argument("--query-tokens", type=int, default=64)
@@ -107,7 +112,7 @@ def make_step(kind: str, size: le.Size, train: str, chunk: int):
             total = lambda p: le.loss_fn(p, encode(p, q), encode(p, d))
             loss, grads = jax.value_and_grad(total)(params)
         else:  # a chunk holds the same pairs' queries and documents
-            view = "global" if kind == "gc" else "local"
+            view = {"gc": "global", "gc-auto": "auto", "gc-local": "local"}[kind]
             grad_fn = gc_jax.cached_value_and_grad(
                 le.loss_fn, encode, chunk_size=(chunk, 2 * chunk), encoder_view=view
             )

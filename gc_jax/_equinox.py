@@ -19,7 +19,7 @@ import jax
 
 from gc_jax import _validation
 from gc_jax._base import PyTree
-from gc_jax._flax import call_with_chunk
+from gc_jax._model_calls import call_with_chunk
 
 
 def _takes_key(model: Any) -> bool:

@@ -21,31 +21,7 @@ from flax.nnx import graphlib
 
 from gc_jax import _validation
 from gc_jax._base import PyTree
-
-_PER_CHUNK_STATISTICS = (
-    "BatchNorm in training mode normalises every chunk with that chunk's own "
-    "statistics, so the gradient would not be the full batch's"
-)
-
-
-def call_with_chunk(fn: Callable[..., Any], chunk: PyTree) -> Any:
-    """Calls ``fn`` on a chunk as the PyTorch GradCache calls a model.
-
-    ``(list, dict)`` pair: ``fn(*chunk[0], **chunk[1])``; list/tuple: ``fn(*chunk)``;
-    dict: ``fn(**chunk)``; anything else: ``fn(chunk)``.
-    """
-    if (
-        isinstance(chunk, tuple)
-        and len(chunk) == 2
-        and isinstance(chunk[0], list | tuple)
-        and isinstance(chunk[1], Mapping)
-    ):
-        return fn(*chunk[0], **chunk[1])
-    if isinstance(chunk, list | tuple):
-        return fn(*chunk)
-    if isinstance(chunk, Mapping):
-        return fn(**chunk)
-    return fn(chunk)
+from gc_jax._model_calls import PER_CHUNK_STATISTICS, call_with_chunk
 
 
 def _identity(x: Any) -> Any:
@@ -77,7 +53,7 @@ def _linen_error(error: Exception, module: linen.Module, given: list[str]) -> Ex
         return ValueError(
             f"linen_encoder({name}): the module tried to update a variable collection "
             f"while encoding a chunk ({error}). gc_jax encoders cannot update "
-            f"collections, and {_PER_CHUNK_STATISTICS}. Run it on running statistics "
+            f"collections, and {PER_CHUNK_STATISTICS}. Run it on running statistics "
             "(e.g. nn.BatchNorm(use_running_average=True)) and pass them with "
             "extra_variables={'batch_stats': ...}, or use LayerNorm/GroupNorm."
         )
@@ -245,7 +221,7 @@ def call_nnx(
         where = ", ".join(f"{name}." + ".".join(map(str, p)) for p in updated[:4])
         raise ValueError(
             f"{name} updated its nnx.BatchStat variables while encoding a chunk ({where}): "
-            f"{_PER_CHUNK_STATISTICS}. Run BatchNorm on its running statistics: pass "
+            f"{PER_CHUNK_STATISTICS}. Run BatchNorm on its running statistics: pass "
             "nnx.view(model, use_running_average=True) (dropout stays on) or build it "
             "with use_running_average=True; or use LayerNorm/GroupNorm."
         )

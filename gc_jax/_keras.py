@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from gc_jax import _validation
 from gc_jax._base import PyTree
-from gc_jax._flax import _PER_CHUNK_STATISTICS
+from gc_jax._model_calls import PER_CHUNK_STATISTICS
 
 _SEED_STATE = "seed_generator_state"  # the name Keras gives a SeedGenerator's variable
 
@@ -121,7 +121,7 @@ def _check_not_updated(variables, seeds, before, after, name) -> None:
     if updated:
         raise ValueError(
             f"{name}: the model updated its non-trainable variables {updated[:4]} while "
-            f"encoding a chunk: {_PER_CHUNK_STATISTICS}. Set layer.trainable = False on its "
+            f"encoding a chunk: {PER_CHUNK_STATISTICS}. Set layer.trainable = False on its "
             "BatchNormalization layers before building the encoder (Keras then runs them "
             "on their moving statistics, dropout stays on), or use LayerNormalization."
         )

@@ -96,7 +96,7 @@ def test_nnx_grads_update_the_model_with_an_optimizer():
 
 
 def test_chunks_are_passed_like_the_pytorch_gradcache():
-    from gc_jax._flax import call_with_chunk
+    from gc_jax._model_calls import call_with_chunk
 
     def fn(*args, **kwargs):
         return args, kwargs

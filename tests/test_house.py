@@ -19,11 +19,13 @@
       function counts in its own right and in the function around it;
    c. no module is longer than :data:`MAX_MODULE`: a backstop, well above a module of
       one concept.
-4. **One kind test.** Only the plan factory (``gc_jax._plan``) asks whether a chunk
+4. **No model adapter imports another** (Flax, Keras, Equinox): what they share is in
+   ``gc_jax._model_calls``.
+5. **One kind test.** Only the plan factory (``gc_jax._plan``) asks whether a chunk
    plan or ``chunk_size`` is of a kind (``isinstance`` on ``ChunkPlan``,
    ``TokenPlan``, ``PackPlan``, ``TokenBudget`` or ``TokenPacking``): everything else
    calls the plan protocol.
-5. **One definition of a constant.** No two modules bind a top-level name to the same
+6. **One definition of a constant.** No two modules bind a top-level name to the same
    string (``MASK = "attention_mask"`` lives in ``gc_jax._chunks.token_rows``; the
    others import it).
 """
@@ -122,6 +124,17 @@ def test_cycles_are_found():
 def test_no_import_cycle():
     found = cycle(graph())
     assert found is None, f"import cycle: {' -> '.join(found)}"
+
+
+ADAPTERS = ("gc_jax._flax", "gc_jax._keras", "gc_jax._equinox")
+
+
+def test_no_model_adapter_imports_another():
+    """What the adapters share lives in ``gc_jax._model_calls``: Keras and Equinox code
+    never depends on Flax's adapter."""
+    edges = graph()
+    crossing = {a: sorted(edges[a] & set(ADAPTERS)) for a in ADAPTERS if edges[a] & set(ADAPTERS)}
+    assert not crossing, f"model adapters import each other: {crossing}"
 
 
 def mutable_globals(source: str) -> list[str]:
