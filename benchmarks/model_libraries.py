@@ -28,8 +28,9 @@ shows the first line of gc_jax's error and whether it names the fix.
 Each library lives in its own environment (they pin different packages); run one per
 interpreter, from the repository root:
 
+    # with the Python of an environment holding gc_jax and Penzai:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=examples \\
-        /work/venv-penzai/bin/python -m benchmarks.model_libraries --library penzai --devices 8
+        python -m benchmarks.model_libraries --library penzai --devices 8
 
 ``--json PATH`` appends the rows to a JSON file (``benchmarks/results/model_libraries.json``).
 """
@@ -209,7 +210,7 @@ def check_mesh(model: Model, want, mesh, specs, batch_axes, explicit: bool) -> s
         try:
             got = jax.jit(step)(params, q, d)
         except Exception as error:
-            notes = " | ".join(n for n in getattr(error, "__notes__", []) if "gc_jax" in n)[:240]
+            notes = " | ".join(n for n in getattr(error, "__notes__", []) if "gc_jax" in n)
             where = "plain jit fails too" if isinstance(plain, Exception) else "plain jit runs"
             return f"ERROR ({where}): {first_line(error)}" + (f" NOTE: {notes}" if notes else "")
     if isinstance(plain, Exception):
@@ -243,7 +244,8 @@ def check_model(model: Model, devices: int) -> list[dict]:
     def add(mesh, result, seconds):
         rows.append({"library": model.library, "model": model.name, "devices": devices,
                      "mesh": mesh, "result": result, "seconds": round(seconds, 1)})  # fmt: skip
-        print(f"  {model.library:8s} {model.name:28s} {devices} {mesh:28s} {result}", flush=True)
+        line = f"  {model.library:8s} {model.name:28s} {devices} {mesh:28s} {result}"
+        print(line[:400], flush=True)  # the whole result (a gc_jax note) in the JSON
 
     start = time.perf_counter()
     want = reference(model)

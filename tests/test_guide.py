@@ -73,6 +73,7 @@ TESTED_ELSEWHERE = {
     "models.md",  # tests/test_docs.py
     "losses_options.md",  # tests/test_docs_losses_options.py
     "losses_matryoshka_maxsim.md",  # tests/test_losses_guide.py
+    "model_libraries.md",  # tests/test_docs_model_libraries.py (benchmarks/ runs its code)
 }
 
 
