@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import json
 import os
-import sys
+import platform
 import time
 import traceback
 from collections.abc import Callable
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"| {r['result']} |")  # fmt: skip
     if args.json:
         old = json.loads(args.json.read_text()) if args.json.exists() else []
-        stamp = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": sys.executable}
+        stamp = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version()}
         args.json.write_text(json.dumps(old + [{**stamp, **r} for r in rows], indent=1))
     return rows
 
