@@ -102,9 +102,10 @@ def check_rows(rows: dict[str, jax.Array], min_rows: int, shards: int) -> None:
     total = first.shape[0] * shards
     if total < min_rows:
         where = f" ({first.shape[0]} per device on {shards})" if shards > 1 else ""
-        need = "a row" if min_rows == 1 else f"at least {min_rows} rows"
+        need = "at least one row" if min_rows == 1 else f"at least {min_rows} rows"
         raise ValueError(
-            f"{name} has {total} rows in the global batch{where}, shape {first.shape}: the "
+            f"{name} has {total} row{'' if total == 1 else 's'} in the global batch{where}, "
+            f"shape {first.shape}: the "
             f"term is a mean over {'rows' if min_rows == 1 else 'pairs of distinct rows'} "
             f"and needs {need} (its value would be 0/0, NaN). Pass {need}, or leave the "
             "term out of the loss for such a batch."

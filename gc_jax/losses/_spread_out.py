@@ -144,7 +144,7 @@ def _check_weights(variant: str, mean_weight, second_moment_weight):
         if not ok or not (math.isfinite(value) and value >= 0):
             raise ValueError(
                 f"{name} must be a non-negative number (0 or None leaves its term out), "
-                f"got {value!r}."
+                f"got {value!r}; e.g. {name}=1.0 (sentence-transformers' default)."
             )
         checked.append(float(value))
     if not any(checked):
