@@ -100,7 +100,7 @@ def _reference(name, x, t):
     _, naive = TERMS[name]
     with jax.enable_x64(True):
         x64, t64 = (np.asarray(v, np.float64) for v in (x, t))
-        value, grad = jax.value_and_grad(lambda x: _call(name, naive, x, t64))(x64)
+        value, grad = jax.jit(jax.value_and_grad(lambda x: _call(name, naive, x, t64)))(x64)
         return np.asarray(value), np.asarray(grad)
 
 
@@ -269,7 +269,7 @@ def _gemma_reference(params, q, d, teacher):
         to64 = lambda tree: jax.tree.map(lambda v: np.asarray(v, np.float64), tree)
         p64, q64, d64, t64 = to64((params, q, d, teacher))
         total = lambda p: loss(p, encode(p, q64, None), encode(p, d64, None), teacher=t64)
-        value, grads = jax.value_and_grad(total)(p64)
+        value, grads = jax.jit(jax.value_and_grad(total))(p64)
         return jax.tree.map(np.asarray, (value, grads))
 
 
@@ -395,6 +395,6 @@ def test_replicated_rows_without_types_count_once_per_device(mesh, name):
     value, grad = jax.jit(f)(x)
     with jax.enable_x64(True):
         repeated = lambda x: naive(jnp.tile(x, (D, 1)))
-        want = jax.value_and_grad(repeated)(np.asarray(x, np.float64))
+        want = jax.jit(jax.value_and_grad(repeated))(np.asarray(x, np.float64))
         want_value, want_grad = (np.asarray(w) for w in want)
     chex.assert_trees_all_close((value, grad), (want_value, want_grad / D), **TOL)
