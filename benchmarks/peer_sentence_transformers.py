@@ -27,7 +27,8 @@ without ``threshold``) against ``FlopsLoss``; ``spread_out_regularizer(variant="
 with its weights against ``GlobalOrthogonalRegularizationLoss`` (cosine and dot-product
 similarity); ``embedding_distillation`` against ``EmbedDistillLoss`` (``mse``, ``l2``,
 ``cosine``, and ``cosine`` with an all-zero student row): the value and the gradient of
-the rows (the logits for pooling).
+the rows (the logits for pooling). GOR on 12 rows of 8 (its Gram form) and on 6 (its
+sum over the pairs).
 
 Run it where both torch and sentence-transformers 6.2 are installed (NumPy between
 the two sides; JAX with float64)::
@@ -423,6 +424,7 @@ REGULARIZER_CASES = {
     "FlopsLoss(threshold=5)": ("flops", {"threshold": 5}),
     "GOR, cos_sim": ("gor", {"similarity": "cos_sim"}),
     "GOR, cos_sim, mean_weight=0": ("gor", {"similarity": "cos_sim", "mean_weight": 0.0}),
+    "GOR, dot, 6 rows (N <= d: from the pairs)": ("gor", {"similarity": "dot", "rows": 6}),
     "GOR, dot, weights 0.5 and None": (
         "gor",
         {"similarity": "dot", "mean_weight": 0.5, "second_moment_weight": None},
@@ -484,8 +486,9 @@ def st_regularizer(kind: str, opts: dict, data: dict) -> tuple[float, np.ndarray
 
 
 def _rows_of(kind: str, opts: dict, data: dict) -> np.ndarray:
-    """The differentiated rows: ``data["x"]``, its row 1 zeroed for ``zero_row``."""
-    x = data["x"].copy()
+    """The differentiated rows: ``data["x"]`` (its first ``rows``), its row 1 zeroed for
+    ``zero_row``."""
+    x = data["x"][: opts.get("rows")].copy()
     if opts.get("zero_row"):
         x[1] = 0.0
     return x
