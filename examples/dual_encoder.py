@@ -596,7 +596,9 @@ def load_split(args: argparse.Namespace, parser: argparse.ArgumentParser):
     roots = retrieval_data.source_roots(args.packages)
     if not roots:
         parser.error(f"none of --packages {' '.join(args.packages)} is installed.")
-    pairs = retrieval_data.mine_pairs(roots)
+    sources = retrieval_data.describe_roots(roots)
+    print(f"mining docstring->code pairs from {sources}:", flush=True)
+    pairs = retrieval_data.mine_pairs(roots, progress=_print_mined)
     if args.eval_size > len(pairs) - args.batch:
         parser.error(
             f"--eval-size {args.eval_size} leaves fewer than --batch {args.batch} training "
@@ -605,13 +607,19 @@ def load_split(args: argparse.Namespace, parser: argparse.ArgumentParser):
     split = retrieval_data.split_by_source(pairs, args.eval_size, seed=args.data_seed)
     if len(split.train) < args.batch:
         parser.error(f"only {len(split.train)} training pairs, fewer than --batch {args.batch}.")
-    sources = retrieval_data.describe_roots(roots)
     summary = {"pairs": len(pairs), "train": len(split.train), "held_out": len(split.held_out)}
     print(
         f"data: {_data_line({**summary, 'sources': sources})}, mined in "
         f"{time.perf_counter() - started:.1f}s"
     )
     return pairs, split, sources
+
+
+def _print_mined(mined: retrieval_data.Mined) -> None:
+    print(
+        f"  {mined.root}: {mined.pairs} pairs from {mined.files} files ({mined.seconds:.1f}s)",
+        flush=True,
+    )
 
 
 def _data_line(data: dict[str, Any]) -> str:
@@ -784,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(parser, argv)
     started = time.perf_counter()
     directory = Path(args.checkpoint_dir)
-    print(f"run directory: {directory}")
+    print(f"run directory: {directory}", flush=True)
     run = open_run(args, parser)
     describe_model(run, args)
     defaults = run_defaults(run.config)
