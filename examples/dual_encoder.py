@@ -554,6 +554,8 @@ def open_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
         )
     pairs, split, sources = load_split(args, parser)
     cap_default_steps(args, len(split.train))
+    what = "learning its BPE vocabulary" if args.model == "tiny" else "loading its weights"
+    print(f"model: building {args.model}, {what}...", flush=True)
     model, tokenizer = build_model(args.model, split.train, args.seed, args.dropout)
     directory.mkdir(parents=True, exist_ok=True)
     run_dir.save_pairs(directory / run_dir.DATA, pairs, split)
@@ -664,6 +666,7 @@ def compile_step(model, optimizer, state: TrainState, data: Tokenized, args) -> 
     """The jitted, compiled train step and a ``"compile"`` metrics record."""
     sample = (state.params, state.opt_state, *data.rows(np.arange(args.batch)), state.key)
     step = jax.jit(make_example_step(model, optimizer, chunking(args)), donate_argnums=(0, 1))
+    print("train step: compiling...", flush=True)
     tick = time.perf_counter()
     compiled = step.lower(*sample).compile()
     record = {
@@ -807,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         run_dir.truncate_metrics(metrics_path, state.step)  # drop what followed the checkpoint
         print(f"resuming after step {state.step} of {args.steps} (checkpoint in {directory})")
     else:
+        print("held-out before training: embedding its queries and code...", flush=True)
         before = log_evaluation(evaluate, state, metrics_path)
         print(
             f"held-out before training ({len(held_out)} x {len(held_out)}): {_metrics_line(before)}"
