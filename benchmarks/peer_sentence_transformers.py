@@ -21,6 +21,15 @@ each query token's best match to float32 before summing them (its scores are flo
 whatever the input), so each loss also runs with that one cast removed from its own
 scoring source ("/float64"): the definitions compared in float64.
 
+Sparse encoders and regularisers: ``splade_pool`` (both pooling strategies, both
+activations, a token mask) against ``SpladePooling``; ``flops_regularizer`` (with and
+without ``threshold``) against ``FlopsLoss``; ``spread_out_regularizer(variant="gor")``
+with its weights against ``GlobalOrthogonalRegularizationLoss`` (cosine and dot-product
+similarity); ``embedding_distillation`` against ``EmbedDistillLoss`` (``mse``, ``l2``,
+``cosine``, and ``cosine`` with an all-zero student row): the value and the gradient of
+the rows (the logits for pooling). GOR on 12 rows of 8 (its Gram form) and on 6 (its
+sum over the pairs).
+
 Run it where both torch and sentence-transformers 6.2 are installed (NumPy between
 the two sides; JAX with float64)::
 
@@ -110,6 +119,9 @@ CASES = {
 DIFFERS = {"GTE directions + guide vs GIST, triplets"}  # self pairs; doc_to_doc's negatives
 
 
+PARTS = ("losses", "maxsim", "regularizers")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=24, help="queries")
@@ -127,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.2,
         help="the MaxSim cases' temperature (sentence-transformers' scale = 1 / temperature)",
+    )
+    p.add_argument(
+        "--parts",
+        nargs="*",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which comparisons to run (default: all)",
     )
     p.add_argument("--json", type=str, default=None)
     return p.parse_args(argv)
@@ -392,12 +411,143 @@ def print_maxsim(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    jax.config.update("jax_enable_x64", True)
-    import sentence_transformers
+# The sparse encoders' and regularisers' options: (sentence-transformers class and
+# options, gc_jax call). Each side maps the same float64 array(s) to a scalar.
+POOLINGS = [(p, a) for p in ("max", "sum") for a in ("relu", "log1p_relu")]
+POOLING_CASES = {
+    f"SpladePooling({p!r}, {a!r})": ("pool", {"pooling_strategy": p, "activation_function": a})
+    for p, a in POOLINGS
+}
+REGULARIZER_CASES = {
+    **POOLING_CASES,
+    "FlopsLoss()": ("flops", {"threshold": None}),
+    "FlopsLoss(threshold=5)": ("flops", {"threshold": 5}),
+    "GOR, cos_sim": ("gor", {"similarity": "cos_sim"}),
+    "GOR, cos_sim, mean_weight=0": ("gor", {"similarity": "cos_sim", "mean_weight": 0.0}),
+    "GOR, dot, 6 rows (N <= d: from the pairs)": ("gor", {"similarity": "dot", "rows": 6}),
+    "GOR, dot, weights 0.5 and None": (
+        "gor",
+        {"similarity": "dot", "mean_weight": 0.5, "second_moment_weight": None},
+    ),
+    "EmbedDistillLoss('mse')": ("distill", {"metric": "mse"}),
+    "EmbedDistillLoss('l2')": ("distill", {"metric": "l2"}),
+    "EmbedDistillLoss('cosine')": ("distill", {"metric": "cosine"}),
+    "EmbedDistillLoss('cosine'), a zero student row": (
+        "distill",
+        {"metric": "cosine", "zero_row": True},
+    ),
+}
 
-    print(f"machine: {common.machine()}; sentence-transformers {sentence_transformers.__version__}")
+
+def regularizer_data(kind: str, seed: int = 2) -> dict[str, np.ndarray]:
+    """Logits and a token mask (pooling), relu'd rows (FLOPS: 3 to 8 non-zeros of 8),
+    rows with a common direction (GOR), a student and its teacher (distillation)."""
+    rng = np.random.default_rng(seed)
+    if kind == "pool":
+        mask = rng.random((6, 5)) < 0.7
+        mask[2] = False  # a row with no tokens
+        return {"x": 2 * rng.normal(size=(6, 5, 12)), "mask": mask,
+                "weights": rng.random((6, 12))}  # fmt: skip
+    x = rng.normal(size=(12, 8)) + 0.8
+    t = x + 0.5 * rng.normal(size=x.shape)
+    if kind == "flops":
+        x = np.maximum(x, 0)
+    return {"x": x, "t": t}
+
+
+def st_regularizer(kind: str, opts: dict, data: dict) -> tuple[float, np.ndarray]:
+    """sentence-transformers' value and gradient (of ``x``), in float64 on the CPU."""
+    import torch
+    from sentence_transformers import util
+    from sentence_transformers.sentence_transformer.losses import (
+        EmbedDistillLoss,
+        GlobalOrthogonalRegularizationLoss,
+    )
+    from sentence_transformers.sparse_encoder.losses import FlopsLoss
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    x = torch.tensor(_rows_of(kind, opts, data), dtype=torch.float64, requires_grad=True)
+    if kind == "pool":
+        pool = SpladePooling(**opts)  # training mode: the out-of-place log1p
+        features = {"token_embeddings": x, "attention_mask": torch.tensor(data["mask"])}
+        loss = torch.sum(torch.tensor(data["weights"]) * pool(features)["sentence_embedding"])
+    elif kind == "flops":
+        loss = FlopsLoss(None, threshold=opts["threshold"]).compute_loss_from_embeddings(x)
+    elif kind == "gor":
+        sim = util.cos_sim if opts["similarity"] == "cos_sim" else util.dot_score
+        weights = {k: opts[k] for k in ("mean_weight", "second_moment_weight") if k in opts}
+        gor = GlobalOrthogonalRegularizationLoss(None, similarity_fct=sim, **weights)
+        loss = sum(gor.compute_loss_from_embeddings([x]).values())
+    else:
+        distill = EmbedDistillLoss(None, distance_metric=opts["metric"])
+        loss = distill.compute_loss_from_embeddings([x], [torch.tensor(data["t"])])
+    loss.backward()
+    return loss.item(), x.grad.numpy()
+
+
+def _rows_of(kind: str, opts: dict, data: dict) -> np.ndarray:
+    """The differentiated rows: ``data["x"]`` (its first ``rows``), its row 1 zeroed for
+    ``zero_row``."""
+    x = data["x"][: opts.get("rows")].copy()
+    if opts.get("zero_row"):
+        x[1] = 0.0
+    return x
+
+
+def gc_jax_regularizer(kind: str, opts: dict, data: dict) -> tuple[float, np.ndarray]:
+    """gc_jax's value and gradient (of ``x``), float64."""
+    import jax.numpy as jnp
+
+    from gc_jax.losses import (
+        embedding_distillation,
+        flops_regularizer,
+        splade_pool,
+        spread_out_regularizer,
+    )
+
+    def loss(x):
+        if kind == "pool":
+            pooled = splade_pool(x, jnp.asarray(data["mask"]), dtype=None, **opts)
+            return jnp.sum(jnp.asarray(data["weights"]) * pooled)
+        if kind == "flops":
+            return flops_regularizer(x, threshold=opts["threshold"])
+        if kind == "gor":
+            if opts["similarity"] == "cos_sim":
+                x = x / jnp.linalg.norm(x, axis=1, keepdims=True)
+            weights = {k: opts[k] for k in ("mean_weight", "second_moment_weight") if k in opts}
+            return spread_out_regularizer(x, variant="gor", **weights)
+        return embedding_distillation(x, jnp.asarray(data["t"]), metric=opts["metric"])
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(jnp.asarray(_rows_of(kind, opts, data)))
+    return float(value), np.asarray(grad)
+
+
+def print_regularizers() -> list[dict[str, Any]]:
+    """The sparse and regulariser cases: value and gradient against sentence-transformers."""
+    print("\nSparse encoders and regularisers: SpladePooling on [6, 5, 12] logits with a "
+          "token mask (a weighted sum of the pooled weights), the others on [12, 8] "
+          "float64 rows\n")  # fmt: skip
+    print("| case | sentence-transformers | gc_jax | value abs. err | "
+          "grad max abs. err | grad rel. err |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for name, (kind, opts) in REGULARIZER_CASES.items():
+        data = regularizer_data(kind)
+        st_value, st_grad = st_regularizer(kind, opts, data)
+        gc_value, gc_grad = gc_jax_regularizer(kind, opts, data)
+        err = gc_grad - st_grad
+        row = {"case": name, "sentence_transformers": st_value, "gc_jax": gc_value,
+               "value_abs_err": abs(gc_value - st_value),
+               "grad_abs_err": float(np.abs(err).max()),
+               "grad_rel_err": float(np.linalg.norm(err) / np.linalg.norm(st_grad))}  # fmt: skip
+        rows.append(row)
+        print(f"| {name} | {st_value:.12f} | {gc_value:.12f} | {row['value_abs_err']:.1e} | "
+              f"{row['grad_abs_err']:.1e} | {row['grad_rel_err']:.1e} |", flush=True)  # fmt: skip
+    return rows
+
+
+def print_losses(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The contrastive losses' table (MNRL and GIST), and the worst error."""
     print(f"{args.rows} queries, {args.dim}-d float64 rows, temperature {args.temperature}\n")
     print("| case | k | gc_jax form | sentence-transformers | gc_jax | value rel. err | "
           "grads rel. err |")  # fmt: skip
@@ -415,11 +565,22 @@ def main(argv: list[str] | None = None) -> None:
     agree = [r for r in rows if r["case"] not in DIFFERS]
     worst = max(max(r["value_rel_err"], r["grad_rel_err"]) for r in agree)
     print(f"\nworst relative error where the definitions agree: {worst:.1e}")
-    maxsim_rows = print_maxsim(args)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    jax.config.update("jax_enable_x64", True)
+    import sentence_transformers
+
+    print(f"machine: {common.machine()}; sentence-transformers {sentence_transformers.__version__}")
+    rows = print_losses(args) if "losses" in args.parts else []
+    maxsim_rows = print_maxsim(args) if "maxsim" in args.parts else []
+    regularizer_rows = print_regularizers() if "regularizers" in args.parts else []
     if args.json:
         result = {"command": common.command("peer_sentence_transformers", sys.argv[1:]),
                   "machine": common.machine(), "args": vars(args), "cases": rows,
-                  "maxsim_cases": maxsim_rows,
+                  "maxsim_cases": maxsim_rows, "regularizer_cases": regularizer_rows,
                   "sentence_transformers": sentence_transformers.__version__}  # fmt: skip
         common.write_json(common.ROOT / args.json, result)
         print(f"wrote {args.json}")

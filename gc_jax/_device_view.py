@@ -162,6 +162,6 @@ def _spanning_note(layout: _layout.Layout, what: str) -> str:
         f"axes {layout.axes!r} (encoder_view='global', which 'auto' picks where a "
         "parameter is sharded over those axes: FSDP), as plain jit over that mesh would; "
         + what.format(axes=layout.axes)
-        + " shard them over a mesh with auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,"
-        " ...)), jax.set_mesh(mesh) and batch_axis=), where the compiler places the lookup."
+        + " shard them over a mesh with auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,))"
+        ", jax.set_mesh(mesh) and batch_axis=), where the compiler places the lookup."
     )

@@ -172,13 +172,18 @@ def check_split_alike(sides: dict[str, PyTree], axis_name: AxisName | None) -> N
         if missing:
             split = [n for n, a in varying.items() if set(missing) & a] or ["axis_name"]
             spec = missing[0] if len(missing) == 1 else tuple(missing)
+            consequence = (
+                "the loss would pair each device's rows with rows of another device's examples"
+                if len(sides) > 1
+                else "every device would count the same rows as its own share of the batch"
+            )
             raise ValueError(
                 f"{name} is replicated over mesh axes {missing} inside shard_map (in_specs "
                 f"P() for it) while {' and '.join(split)} {'is' if len(split) == 1 else 'are'}"
-                f" split over them, so the loss would pair each device's rows with rows of "
-                f"another device's examples: a wrong loss, silently. Split {name} like the "
-                f"others: in_specs=P({spec!r}) for it (each device its own rows), or pass "
-                "every input replicated and call the loss without axis_name."
+                f" split over them, so {consequence}: a wrong loss, silently. Split {name}"
+                f"{' like the others' if len(sides) > 1 else ''}: in_specs=P({spec!r}) for it "
+                "(each device its own rows), or pass every input replicated and call the "
+                "loss without axis_name."
             )
 
 

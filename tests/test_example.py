@@ -152,6 +152,58 @@ def test_mining_is_deterministic_and_never_leaks_the_docstring():
     assert split != retrieval_data.split_by_source(pairs, 40, seed=4)
 
 
+def _write_root(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    return root
+
+
+def _function(name: str, query: str, body: str = "return x") -> str:
+    return f'def {name}(x):\n    """{query}"""\n    y = x\n    {body}\n'
+
+
+def test_earlier_roots_win_and_their_pairs_ignore_later_ones(tmp_path):
+    """A later root never drops or displaces a pair of an earlier one (the standard
+    library's pairs, mined first, do not depend on the packages installed)."""
+    limits = retrieval_data.Limits(min_document_chars=10, min_document_lines=2)
+    shared = "Return the value with every field of it copied."
+    first = _write_root(tmp_path / "a", {"m.py": _function("f", shared)})
+    second = _write_root(
+        tmp_path / "b",
+        {"m.py": _function("g", shared, "return x + 1") + _function("h", "Open the door for x.")},
+    )
+    alone = retrieval_data.mine_pairs([("a", first)], limits)
+    mined: list[retrieval_data.Mined] = []
+    both = retrieval_data.mine_pairs([("a", first), ("b", second)], limits, mined.append)
+    assert [p.name for p in alone] == ["f"] and [p.name for p in both] == ["f", "h"]
+    assert both[0] == alone[0]  # "b"'s g, the same query with other code, is dropped
+    assert [(m.root, m.files, m.pairs) for m in mined] == [("a", 1, 1), ("b", 1, 1)]
+
+
+def test_held_out_files_depend_on_the_standard_library_alone(tmp_path):
+    """The held-out files are the standard library's, chosen by a seeded hash of their
+    names: the same whichever packages are mined beside it. Parts that distributions
+    ship separately (idlelib, tkinter, ...) are not mined."""
+    limits = retrieval_data.Limits(min_document_chars=10, min_document_lines=2)
+    files = {
+        f"mod{i}.py": _function(f"f{i}", f"Compute the quantity number {i} of x.")
+        for i in range(12)
+    }
+    files["idlelib/tool.py"] = _function("tool", "Draw the window of the editor.")
+    stdlib = _write_root(tmp_path / "stdlib", files)
+    package = _write_root(tmp_path / "pkg", {"p.py": _function("p", "Load the package data of x.")})
+    alone = retrieval_data.mine_pairs([("stdlib", stdlib)], limits)
+    both = retrieval_data.mine_pairs([("stdlib", stdlib), ("pkg", package)], limits)
+    assert len(alone) == 12 and "idlelib" not in {p.module.split(".")[0] for p in alone}
+    held_out = {}
+    for seed in (0, 1):
+        held_out[seed] = retrieval_data.split_by_source(alone, 5, seed=seed).held_out
+        assert retrieval_data.split_by_source(both, 5, seed=seed).held_out == held_out[seed]
+        assert all(p.source.startswith("stdlib/") for p in held_out[seed])
+    assert held_out[0] != held_out[1]  # the seed picks the files
+
+
 # ---------------------------------------------------------------------------- model, metrics
 
 
@@ -443,6 +495,9 @@ def test_a_default_run_reports_no_repeated_batch(small_tiny_model, tmp_path, cap
     whole = config["data"]["train"] // 16
     assert config["flags"]["steps"] == whole == result["step"] < 100
     out = capsys.readouterr().out
+    # Mining says what it mines and reports each package as it is done.
+    assert re.search(r"^mining docstring->code pairs from json \S+, logging \S+:$", out, re.M)
+    assert re.search(r"^  json: \d+ pairs from \d+ files \(\d+\.\ds\)$", out, re.M), out
     assert f"training: {whole} steps x 16" in out and "each training pair at most once" in out
     losses = _train_losses(tmp_path / "run")
     assert len(losses) == whole and result["final_loss"] == losses[-1]

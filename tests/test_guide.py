@@ -11,11 +11,11 @@ import contextlib
 import functools
 import io
 import os
-import re
 from operator import itemgetter
 from pathlib import Path
 
 import chex
+import doc_pages
 import jax
 import jax.numpy as jnp
 import optax
@@ -79,20 +79,18 @@ TESTED_ELSEWHERE = {
 
 def blocks(page: str) -> dict[str, str]:
     """The page's python blocks by their first line, a comment naming them."""
-    text = (DOCS / page).read_text()
-    found = re.findall(r"```python\n# ([^\n]*)\n(.*?)```", text, flags=re.S)
-    assert len(found) == text.count("```python"), f"{page}: a python block has no # name"
-    return dict(found)
+    return doc_pages.blocks(f"docs/{page}")
 
 
 def run(page: str, *names: str, namespace: dict | None = None) -> dict:
-    """Runs ``names``' blocks of ``page`` in ``namespace`` (a new one by default). The
-    blocks a namespace has run must be the page's first ones, in order: a reader runs
+    """Runs ``names``' blocks of ``page`` in ``namespace`` (a new one by default), from
+    the repository root, each printing what the page says (:func:`doc_pages.run_block`).
+    The blocks a namespace has run must be the page's first ones, in order: a reader runs
     the page top to bottom (:func:`doc_pages.run_page` runs a whole page once)."""
     namespace = {} if namespace is None else namespace
     done = namespace.setdefault("__blocks__", [])
     for name in names:
-        exec(blocks(page)[name], namespace)
+        doc_pages.run_block(f"docs/{page}", name, namespace)
         done.append(name)
     assert done == list(blocks(page))[: len(done)], f"{page}: not top to bottom: {done}"
     return namespace
@@ -121,6 +119,33 @@ def test_every_block_is_run():
         assert list(blocks(page)) == PAGES.get(page, []), f"{page}: update PAGES and its test"
 
 
+def test_every_import_resolves_from_the_repository_root():
+    """A reader runs the blocks from the repository root: each module they import is
+    installed, or in ``examples/`` where the page says ``PYTHONPATH=examples``."""
+    for page in sorted(p.relative_to(DOCS.parent).as_posix() for p in DOCS.rglob("*.md")):
+        assert not doc_pages.unimportable_from_the_root(page), page
+
+
+def test_a_block_prints_what_its_page_says():
+    """``# prints:`` lines are compared with the output, ``...`` matching any text; a
+    print the page does not announce, or another text, fails with a diff."""
+    code = 'print("loss 9.72")  # prints: loss 9.72\nprint(error)  # prints: gradient caching ...'
+    doc_pages.check_output("page", code, "loss 9.72\ngradient caching differs\nrows: 3\n")
+    page_says, printed = "# prints: 2 PartitionSpec('data',)", "2 P('data', None, None)"
+    with pytest.raises(AssertionError) as error:
+        doc_pages.check_output("recipes.md, block 'bank: the step'", page_says, printed)
+    assert str(error.value).splitlines() == [
+        "recipes.md, block 'bank: the step' prints what the page does not say:",
+        "--- the page says (# prints:)",
+        "+++ printed",
+        "@@ -1 +1 @@",
+        "-2 PartitionSpec('data',)",
+        "+2 P('data', None, None)",
+    ]
+    with pytest.raises(AssertionError, match=r"\+loss 1\.00"):
+        doc_pages.check_output("page", "print(loss)", "loss 1.00\n")  # printed, not said
+
+
 def test_quickstart():
     """The page's blocks in order, in one namespace, as a reader runs them."""
     from flax import nnx
@@ -136,7 +161,6 @@ def test_quickstart():
     # What it prints is what the page says, a plausible loss for unit-norm embeddings.
     printed = out.getvalue().strip()
     assert printed == f"loss {float(want_loss):.2f}" and 6 < float(want_loss) < 15
-    assert f'print(f"loss {{loss:.2f}}")  # {printed}' in blocks("quickstart.md")["run it"]
 
     run("quickstart.md", "a full training step", namespace=ns)
     chex.assert_trees_all_close(ns["metrics"]["loss"], want_loss, **TOL)

@@ -3,12 +3,15 @@
 The guide's blocks (bring your own step, scaling out, ...) are run by tests/test_guide.py.
 """
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
 import chex
 import jax
 import jax.numpy as jnp
+from doc_pages import check_output
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -19,7 +22,10 @@ def python_blocks() -> list[str]:
 
 def test_quick_start_runs_and_matches_full_batch():
     namespace: dict = {}
-    exec(python_blocks()[0], namespace)  # the quick start: encode, loss_fn, grad_fn, train_step
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the quick start: encode, loss_fn, grad_fn, ...
+        exec(python_blocks()[0], namespace)
+    check_output("README.md, quick start", python_blocks()[0], printed.getvalue())
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     params = {"w1": jax.random.normal(k1, (8, 16)), "w2": jax.random.normal(k2, (16, 4))}
     queries, docs = jax.random.normal(k3, (600, 8)), jax.random.normal(k4, (600, 8))
@@ -40,3 +46,27 @@ def test_quick_start_is_the_guides():
     guide = (README.parent / "docs" / "quickstart.md").read_text()
     (block,) = re.findall(r"```python\n# quick start\n(.*?)```", guide, flags=re.S)
     assert block == python_blocks()[0]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_into_benchmarks_md_land_on_its_headings():
+    """The README's figures link sections of BENCHMARKS.md, whose headline section links
+    its own sections: every anchor is a heading there."""
+    benchmarks = (README.parent / "BENCHMARKS.md").read_text()
+    headings = {_slug(h) for h in re.findall(r"^#+ (.*)$", benchmarks, flags=re.M)}
+    linked = re.findall(r"\(BENCHMARKS\.md#([^)]+)\)", README.read_text())
+    linked += re.findall(r"\]\(#([^)]+)\)", benchmarks)
+    assert "headline-figures" in headings and len(linked) >= 5
+    assert set(linked) <= headings, set(linked) - headings
+
+
+def test_two_set_up_commands():
+    """The README's set-up is two commands: run the example, run the tests."""
+    section = README.read_text().split("## Two commands\n")[1].split("\n## ")[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    commands = [line for line in block.splitlines() if line.strip() and line[0] != "#"]
+    assert len(commands) == 2 and all(c.startswith("pip install -e ") for c in commands)

@@ -28,6 +28,8 @@ from gc_jax.losses import (
     flops_regularizer,
     l1_regularizer,
     matryoshka,
+    sparse_regularizer,
+    splade_pool,
     spread_out_regularizer,
 )
 
@@ -98,7 +100,7 @@ def _reference(name, x, t):
     _, naive = TERMS[name]
     with jax.enable_x64(True):
         x64, t64 = (np.asarray(v, np.float64) for v in (x, t))
-        value, grad = jax.value_and_grad(lambda x: _call(name, naive, x, t64))(x64)
+        value, grad = jax.jit(jax.value_and_grad(lambda x: _call(name, naive, x, t64)))(x64)
         return np.asarray(value), np.asarray(grad)
 
 
@@ -123,16 +125,35 @@ def test_matches_the_float64_definition(name):
         chex.assert_trees_all_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-def test_gor_hinge_off_below_the_uniform_second_moment():
-    """Orthogonal-ish rows (M2 < 1/d): GOR is M1^2 alone; the second moment is M2, to
-    float32 rounding of the Gram form's ``|G|^2 - sum |x|^4`` (absolute, about 1e-7 for
-    unit rows: the docstring's caveat for nearly orthogonal rows)."""
-    x = jnp.eye(8)[:6] + 0.01
-    with jax.enable_x64(True):
-        m2, gor = (float(naive_spread_out(np.asarray(x, np.float64), v)) for v in VARIANTS)
-    assert m2 < 1 / 8
-    assert float(spread_out_regularizer(x, variant="gor")) == pytest.approx(gor, rel=1e-5)
-    assert float(spread_out_regularizer(x)) == pytest.approx(m2, abs=5e-7)
+def _nearly_orthogonal(n, dim, seed=0):
+    """Unit rows near the first ``n`` axes: ``M2`` about 2e-5, far below ``1/d``."""
+    x = jnp.eye(dim)[:n] + 3e-3 * jax.random.normal(jax.random.key(seed), (n, dim))
+    return x / jnp.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nearly_orthogonal_rows_keep_float32_precision(variant):
+    """With at most ``d`` rows the term sums the pairs' products directly: float32 within
+    1e-5 of float64 (value and gradient) where the Gram form's ``|G|^2 - sum |x|^4``
+    cancels (1e-3 here). GOR's hinge is off (``M2 < 1/d``): ``M1^2`` alone."""
+    x = _nearly_orthogonal(6, 8)
+    value, grad = _reference("spread_out" if variant == "second_moment" else "spread_out_gor",
+                             x, x)  # fmt: skip
+    assert value < 1e-4
+    f = jax.jit(jax.value_and_grad(functools.partial(spread_out_regularizer, variant=variant)))
+    chex.assert_trees_all_close(f(x), (value, grad), rtol=1e-5, atol=1e-7 * np.abs(grad).max())
+
+
+def test_nearly_orthogonal_rows_across_devices(mesh):
+    """The same across 8 devices: each device pairs its rows with every device's."""
+    x = _nearly_orthogonal(2 * D, 24, seed=1)
+    want = _reference("spread_out", x, x)
+    per_device = jax.value_and_grad(functools.partial(spread_out_regularizer, axis_name="d"))
+    for check_vma in (True, False):
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=(P(), P("d")),
+                          check_vma=check_vma)  # fmt: skip
+        got = jax.jit(f)(*_sharded(mesh, x))
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7 * np.abs(want[1]).max())
 
 
 def test_bfloat16_rows_float32_term_bfloat16_gradients():
@@ -248,7 +269,7 @@ def _gemma_reference(params, q, d, teacher):
         to64 = lambda tree: jax.tree.map(lambda v: np.asarray(v, np.float64), tree)
         p64, q64, d64, t64 = to64((params, q, d, teacher))
         total = lambda p: loss(p, encode(p, q64, None), encode(p, d64, None), teacher=t64)
-        value, grads = jax.value_and_grad(total)(p64)
+        value, grads = jax.jit(jax.value_and_grad(total))(p64)
         return jax.tree.map(np.asarray, (value, grads))
 
 
@@ -296,8 +317,84 @@ def test_gemma_loss_in_make_train_step_over_a_mesh(mesh):
         (lambda: embedding_distillation(jnp.ones((4, 2)), jnp.ones((4, 3))), "project the teacher"),
         (lambda: embedding_distillation(jnp.ones((4, 2)), jnp.ones((4, 2)), metric="l1"), "metric"),
         (lambda: flops_regularizer(jnp.ones((4, 2), jnp.int32)), "w must be a float"),
+        # Shapes known at trace time: no 0/0.
+        (lambda: spread_out_regularizer(jnp.ones((1, 4))), "x has 1 row in the global batch"),
+        (lambda: flops_regularizer(jnp.ones((0, 4))), "w has 0 rows in the global batch"),
+        (lambda: l1_regularizer(jnp.ones((0, 4))), "w has 0 rows"),
+        (lambda: embedding_distillation(jnp.ones((0, 2)), jnp.ones((0, 2))), "student has 0 rows"),
+        (lambda: sparse(jnp.ones((0, 4)), jnp.ones((2, 4))), "queries has 0 rows"),
+        # sentence-transformers' options.
+        (lambda: spread_out_regularizer(jnp.ones((4, 2)), mean_weight=0.5), "weighs a term of"),
+        (lambda: gor(mean_weight=-1.0), "mean_weight must be a non-negative number"),
+        (lambda: gor(second_moment_weight=True), "second_moment_weight must be a non-neg"),
+        (lambda: gor(mean_weight=0.0, second_moment_weight=None), "leave variant='gor' no"),
+        (lambda: flops_regularizer(jnp.ones((4, 2)), threshold=-1), "threshold must be None"),
+        (
+            lambda: sparse(jnp.ones((4, 2)), jnp.ones((4, 2)), doc_kind="l1", doc_threshold=2),
+            "doc_threshold=2 applies to the FLOPS regulariser",
+        ),
+        (lambda: splade_pool(jnp.ones((2, 3, 4)), pooling_strategy="mean"), "pooling_strategy"),
+        (lambda: splade_pool(jnp.ones((2, 3, 4)), activation_function="gelu"), "activation_fun"),
     ],
 )
 def test_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def gor(**weights):
+    return spread_out_regularizer(jnp.ones((4, 2)), variant="gor", **weights)
+
+
+sparse = functools.partial(sparse_regularizer, query_weight=1.0, doc_weight=1.0)
+
+
+# Rows passed replicated (in_specs=P()) with axis_name: every device would count them as
+# its own. A typed shard_map sees it and raises, as the losses do.
+
+REPLICATED = {  # name: (term of (x, t), in_specs, the argument named)
+    "spread_out": (lambda x, t, **kw: spread_out_regularizer(x, **kw), (P(), P()), "x"),
+    "flops": (lambda x, t, **kw: flops_regularizer(x, **kw), (P(), P()), "w"),
+    "l1": (lambda x, t, **kw: l1_regularizer(x, **kw), (P(), P()), "w"),
+    "distill": (lambda x, t, **kw: embedding_distillation(x, t, **kw), (P(), P()), "student"),
+    "distill, teacher only": (  # the whole teacher's first 2 rows on every device
+        lambda x, t, **kw: embedding_distillation(x, t[: len(x)], **kw),
+        (P("d"), P()),
+        "teacher",
+    ),
+    "sparse, docs": (
+        lambda x, t, **kw: sparse(x, t, **kw),
+        (P("d"), P()),
+        "docs",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLICATED))
+def test_replicated_rows_raise_under_a_typed_shard_map(mesh, name):
+    term, in_specs, arg = REPLICATED[name]
+    x, t = _rows(2 * D, 4, seed=6)
+    f = jax.shard_map(functools.partial(term, axis_name="d"), mesh=mesh, in_specs=in_specs,
+                      out_specs=P())  # fmt: skip
+    placed = [
+        jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((x, t), in_specs, strict=True)
+    ]
+    with pytest.raises(ValueError, match=rf"{arg} is replicated over mesh axes \['d'\]"):
+        jax.jit(f)(*placed)
+
+
+@pytest.mark.parametrize("name", ["spread_out", "flops"])
+def test_replicated_rows_without_types_count_once_per_device(mesh, name):
+    """Under shard_map(check_vma=False) (as under pmap) nothing says the rows are
+    replicated: as the docstrings say, the term is that of the batch repeated once per
+    device, and each device's gradient a share (1/8) of its gradient."""
+    term, naive = TERMS[name]
+    x, _ = _rows(6, 4, seed=6, shift=0.1)
+    f = jax.shard_map(jax.value_and_grad(functools.partial(term, axis_name="d")), mesh=mesh,
+                      in_specs=P(), out_specs=(P(), P()), check_vma=False)  # fmt: skip
+    value, grad = jax.jit(f)(x)
+    with jax.enable_x64(True):
+        repeated = lambda x: naive(jnp.tile(x, (D, 1)))
+        want = jax.jit(jax.value_and_grad(repeated))(np.asarray(x, np.float64))
+        want_value, want_grad = (np.asarray(w) for w in want)
+    chex.assert_trees_all_close((value, grad), (want_value, want_grad / D), **TOL)

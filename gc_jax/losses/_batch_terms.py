@@ -4,7 +4,10 @@ A regulariser such as SPLADE's FLOPS (``sum_j (mean_i w_ij)^2``) or the spread-o
 term (``mean_{i != j} (x_i . x_j)^2``) is a function ``F`` of statistics *summed over
 the rows* of the batch: column sums, a ``d x d`` Gram matrix, a row count. Across
 devices each device sums its own rows and a ``psum`` adds them up: nothing row-sized
-is gathered, so memory does not grow with the batch.
+is gathered, so memory does not grow with the batch. (One exception, by choice: the
+spread-out term on a global batch of at most ``d`` rows sums over its pairs directly,
+from the gathered rows, no more than its ``d x d`` Gram matrix; see
+``spread_out_regularizer``.)
 
 :func:`run` evaluates ``F(psum(stats(rows)))`` wherever the rows lie, with gc_jax's
 convention for distributed losses (``gc_jax.global_loss``): the *global* value on every
@@ -50,32 +53,73 @@ def _global_of(fn: Callable[[PyTree], jax.Array], stats: PyTree, axis_name: Axis
 def run(
     stats: Callable[..., PyTree],
     fn: Callable[[PyTree], jax.Array],
-    rows: tuple[jax.Array, ...],
+    rows: dict[str, jax.Array],
     axis_name: AxisName | None,
+    *,
+    min_rows: int = 1,
 ) -> jax.Array:
-    """``fn(sum over the global batch of stats(*rows))``, wherever ``rows`` lie.
+    """``fn(sum over the global batch of stats(axes, *rows))``, wherever ``rows`` lie.
 
-    ``stats(*local_rows)`` returns a pytree of sums over its rows; ``fn`` maps their
-    global sums to a scalar. One device: ``fn(stats(*rows))``. Inside ``shard_map`` or
-    ``pmap`` (``axis_name`` bound): each device's stats are summed with ``psum``. Under
-    ``jit`` over rows sharded on a mesh (explicit axes from the types, auto axes named by
+    ``stats(axes, *local_rows)`` returns a pytree of sums over its rows; ``axes`` are
+    the manual axes the rows are split over (None on one device), for statistics that
+    need every device's rows (see :func:`gathered`). ``fn`` maps their global sums to a
+    scalar. One device: ``fn(stats(None, *rows))``. Inside ``shard_map`` or ``pmap``
+    (``axis_name`` bound): each device's stats are summed with ``psum``. Under ``jit``
+    over rows sharded on a mesh (explicit axes from the types, auto axes named by
     ``axis_name`` or the core's ``batch_axis``): the same inside a ``shard_map`` over the
     batch's mesh axes, returned replicated.
+
+    ``rows`` are named (``{"w": w}``) for the errors: a global batch of fewer than
+    ``min_rows`` rows raises (its shape is known at trace time), and so does a row
+    input typed replicated inside ``shard_map`` (``in_specs=P()``) while ``axis_name``
+    says the batch is split: every device would count the same rows as its own, a
+    wrong term silently. The check is the losses' (``_distributed.check_split_alike``);
+    under ``pmap`` and ``shard_map(check_vma=False)`` values carry no such type and it
+    cannot be made.
     """
-    layout = _layout.rows_layout(rows[0], axis_name)
+    _distributed.check_split_alike(rows, _distributed.typed_axes(axis_name))
+    values = tuple(rows.values())
+    layout = _layout.rows_layout(values[0], axis_name)
+    check_rows(rows, min_rows, layout.shards if layout.kind == "manual" else 1)
     if layout.kind == "single":
-        return fn(stats(*rows))
+        return fn(stats(None, *values))
     if layout.kind == "manual":
-        return _global_of(fn, stats(*rows), layout.axes)
+        return _global_of(fn, stats(layout.axes, *values), layout.axes)
 
     def per_device(*local):
-        return _global_of(fn, stats(*local), layout.axes)
+        return _global_of(fn, stats(layout.axes, *local), layout.axes)
 
     spec = lambda v: P(layout.axes, *[None] * (v.ndim - 1))
     f = jax.shard_map(
-        per_device, mesh=layout.mesh, in_specs=tuple(spec(v) for v in rows), out_specs=P()
+        per_device, mesh=layout.mesh, in_specs=tuple(spec(v) for v in values), out_specs=P()
     )
-    return f(*(layout.place(v, spec(v)) for v in rows))
+    return f(*(layout.place(v, spec(v)) for v in values))
+
+
+def check_rows(rows: dict[str, jax.Array], min_rows: int, shards: int) -> None:
+    """Raises unless the global batch (``shards`` devices' rows) has ``min_rows`` rows."""
+    name, first = next(iter(rows.items()))
+    total = first.shape[0] * shards
+    if total < min_rows:
+        where = f" ({first.shape[0]} per device on {shards})" if shards > 1 else ""
+        need = "at least one row" if min_rows == 1 else f"at least {min_rows} rows"
+        raise ValueError(
+            f"{name} has {total} row{'' if total == 1 else 's'} in the global batch{where}, "
+            f"shape {first.shape}: the "
+            f"term is a mean over {'rows' if min_rows == 1 else 'pairs of distinct rows'} "
+            f"and needs {need} (its value would be 0/0, NaN). Pass {need}, or leave the "
+            "term out of the loss for such a batch."
+        )
+
+
+def gathered(axes: AxisName | None, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every device's rows of ``x`` (without gradient) and the global index of this
+    device's first row: what a ``stats`` of :func:`run` reads to pair its rows with
+    every other row of the global batch."""
+    x = jax.lax.stop_gradient(x)
+    if axes is None:
+        return x, jnp.asarray(0)
+    return jax.lax.all_gather(x, axes, tiled=True), jax.lax.axis_index(axes) * len(x)
 
 
 def rows_of(x: Any, name: str, ndim: int = 2) -> jax.Array:
