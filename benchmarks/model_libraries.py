@@ -293,7 +293,7 @@ def penzai_models(devices: int) -> list[Model]:
 
 
 def maxtext_config(model_name: str, devices: int, parallelism: str, shard_mode: str,
-                   scan_layers: bool = True):  # fmt: skip
+                   scan_layers: bool = True, dropout: float = 0.0):  # fmt: skip
     """A tiny random-init MaxText model of ``model_name``'s architecture; ``parallelism``
     ``"fsdp"`` or ``"data"`` over ``devices`` devices."""
     from maxtext.configs import pyconfig
@@ -306,7 +306,7 @@ def maxtext_config(model_name: str, devices: int, parallelism: str, shard_mode: 
             "attention=dot_product", "skip_jax_distributed_system=True",
             "enable_checkpointing=False", "run_name=gc_jax", "per_device_batch_size=4"]  # fmt: skip
     mesh = [f"ici_{parallelism}_parallelism={devices}", f"shard_mode={shard_mode}",
-            f"scan_layers={scan_layers}"]  # fmt: skip
+            f"scan_layers={scan_layers}", f"dropout_rate={dropout}"]  # fmt: skip
     if parallelism != "fsdp":
         mesh.append("ici_fsdp_parallelism=1")
     return pyconfig.initialize(["", str(base), f"model_name={model_name}", *tiny, *mesh])
@@ -327,6 +327,8 @@ def maxtext_models(devices: int) -> list[Model]:
         return nnx.state(model, nnx.Param), gc_jax.nnx_encoder(model)
 
     models = []
+    if devices == 1:  # dropout in the scanned layers (MaxText's default scan_layers=True)
+        models.append(maxtext_dropout_model())
     for name in ("qwen3-0.6b", "gemma3-4b", "llama2-7b"):
         if devices == 1:
             models.append(Model("maxtext", name, *reversed(single(name)), generic=False))
@@ -356,6 +358,28 @@ def maxtext_models(devices: int) -> list[Model]:
                           recipe=recipe)  # fmt: skip
             models.append(model)
     return models
+
+
+def maxtext_dropout_model() -> Model:
+    """Qwen3 with ``dropout_rate=0.1``: dropout on with a key; without one, the same
+    parameters through the model built with ``dropout_rate=0`` (``nnx.view(model,
+    deterministic=True)`` fails on the scanned layers' RNG streams, in flax 0.12.12)."""
+    import jax
+    import library_embedders
+    from flax import nnx
+
+    import gc_jax
+
+    config = maxtext_config("qwen3-0.6b", 1, "fsdp", "auto", dropout=0.1)
+    model, _ = library_embedders.maxtext_embedder(config, DIM, devices=jax.devices()[:1])
+    train = gc_jax.nnx_encoder(model)
+    without, _ = library_embedders.maxtext_embedder(
+        maxtext_config("qwen3-0.6b", 1, "fsdp", "auto"), DIM, devices=jax.devices()[:1]
+    )
+    evaluate = gc_jax.nnx_encoder(without)
+    encode = lambda p, x, key: (evaluate if key is None else train)(p, x, key)
+    params = nnx.state(model, nnx.Param)
+    return Model("maxtext", "qwen3-0.6b, dropout 0.1", encode, params, dropout=True, generic=False)
 
 
 def gemma_models(devices: int) -> list[Model]:

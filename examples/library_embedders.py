@@ -107,6 +107,7 @@ def maxtext_embedder(config, dim, seed=0, devices=None):
         def __init__(self, mesh, rngs):
             self.transformer = models.Transformer(config, mesh, quant=None, rngs=rngs)
             self.head = nnx.Param(dense_head(rngs.params(), config.emb_dim, dim))
+            self.deterministic = not config.dropout_rate
 
         def __call__(self, ids, mask):  # gc_jax.nnx_encoder passes a dict batch as keywords
             decoder = self.transformer.decoder
@@ -115,7 +116,7 @@ def maxtext_embedder(config, dim, seed=0, devices=None):
                 decoder_input_tokens=ids,
                 decoder_positions=jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape),
                 decoder_segment_ids=mask,  # padding is segment 0: attended by padding only
-                deterministic=True,
+                deterministic=self.deterministic,
             )
             hidden = decoder.decoder_norm(hidden)  # MaxText returns it before its final norm
             return pooling.embed(hidden, mask, head=self.head[...])
