@@ -8,6 +8,7 @@ from gc_jax import cachex
 from gc_jax import functional
 from gc_jax import losses
 from gc_jax import packing
+from gc_jax import pooling
 from gc_jax import testing
 from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
@@ -45,5 +46,6 @@ __all__ = [
     "make_train_step",
     "nnx_encoder",
     "packing",
+    "pooling",
     "testing",
 ]
