@@ -131,13 +131,16 @@ def explain_spanning(error: Exception, layout: _layout.Layout) -> None:
     mesh axes (``encoder_view="global"``) what it needs, and what to do with a model
     that cannot be annotated: a sharding type error (an unannotated lookup), or JAX's
     refusal of a ``vmap`` over the rows whose unmapped weights are sharded over the
-    same axes (a named-axis model's lookup, as Penzai's, with FSDP weights)."""
+    same axes (a named-axis model's lookup, as Penzai's, with FSDP weights), or of a
+    ``scan`` over stacked layers sharded along the layer axis."""
     if layout.kind != "explicit":
         return
     if any(t.__name__ == "ShardingTypeError" for t in type(error).__mro__):
         error.add_note(_spanning_note(layout, _LOOKUP))
     elif isinstance(error, ValueError) and "Unmapped values passed to vmap" in str(error):
         error.add_note(_spanning_note(layout, _VMAPPED))
+    elif isinstance(error, ValueError) and "0th dimension of all xs should be" in str(error):
+        error.add_note(_spanning_note(layout, _SCANNED))
 
 
 _LOOKUP = (
@@ -153,6 +156,15 @@ _VMAPPED = (
     "sharded over the same mesh axes {axes!r}, which JAX refuses under explicit axes. "
     "Shard such weights over another mesh axis (keep them replicated over {axes!r}: "
     "encoder_view='auto' then encodes each device's rows with plain local types), or"
+)
+
+
+_SCANNED = (
+    "plain jit of the full batch fails the same way: the model scans over stacked layers "
+    "whose layer axis is sharded over mesh axes (MaxText's shard_mode='explicit' with "
+    "scan_layers=True), which lax.scan refuses under explicit axes. Shard the stacked "
+    "weights over their other dimensions (the layer axis replicated), run the layers "
+    "unscanned (MaxText: scan_layers=False), or"
 )
 
 

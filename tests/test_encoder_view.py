@@ -102,3 +102,22 @@ def test_a_vmapped_lookup_of_fsdp_weights_under_explicit_axes_names_the_fix():
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert "plain jit of the full batch fails the same way" in note
     assert "axis_types=(AxisType.Auto," in note and "batch_axis=" in note
+
+
+def test_a_scan_over_layers_sharded_along_the_layer_axis_names_the_fix():
+    """MaxText's shard_mode='explicit' with scanned layers: lax.scan refuses stacked
+    weights whose layer axis is sharded (plain jit too); the note says what works."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+    def encode(params, x, key):
+        body = lambda h, w: (jnp.tanh(h @ jax.sharding.reshard(w, P())), None)
+        return jax.lax.scan(body, x.mean(1), params["layers"])[0]
+
+    layers = jax.device_put(jnp.ones((8, 4, 4)) / 8, NamedSharding(mesh, P("data", None, None)))
+    q, d = batch(mesh, P("data"))
+    step = gc_jax.cached_value_and_grad(loss_fn, encode, CHUNK)
+    error = pytest.raises(ValueError, match="0th dimension of all xs should be replicated")
+    with jax.set_mesh(mesh), error as info:
+        jax.jit(step)({"layers": layers}, q, d)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "scan_layers=False" in note and "axis_types=(AxisType.Auto,))" in note
