@@ -6,9 +6,9 @@ signature (``inspect.signature``), and a public class's public methods and prope
 one per line in ``tests/fixtures/api_snapshot.txt``. A change to the public API (a name
 added, renamed or removed, an argument added, renamed, reordered or given another
 default) fails here until the snapshot is regenerated on purpose, from the repository
-root::
+root (where ``python -m`` imports this checkout's gc_jax)::
 
-    python tests/test_api.py
+    python -m tests.test_api
 
 and the diff of ``tests/fixtures/api_snapshot.txt`` reviewed with the change (and a
 CHANGELOG entry where users see it).
@@ -20,7 +20,6 @@ import difflib
 import importlib
 import inspect
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +32,7 @@ MODULES = (
     "gc_jax.functional",
     "gc_jax.cachex",
 )
-UPDATE = "python tests/test_api.py"
+UPDATE = "python -m tests.test_api"
 
 
 def signature(obj: object) -> str:
@@ -112,7 +111,6 @@ def test_the_public_api_matches_the_snapshot():
         )
 
 
-if __name__ == "__main__":  # regenerate the snapshot: python tests/test_api.py
-    sys.path.insert(0, str(ROOT))  # this checkout's gc_jax, not an installed one
+if __name__ == "__main__":  # regenerate the snapshot: python -m tests.test_api
     SNAPSHOT.write_text(snapshot())
     print(f"wrote {SNAPSHOT.relative_to(ROOT)} ({len(snapshot().splitlines())} lines)")
