@@ -250,8 +250,8 @@ def attention(
         every block of a line computed: splash skips only the blocks of its static
         mask, and segment ids are data) or None: splash on TPU where the shapes allow
         (``L`` a multiple of 128), else xla. On XLA:CPU ``"blocked"`` measured slower than
-        ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips; see
-        BENCHMARKS.md), so it is never chosen for you.
+        ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips:
+        docs/benchmarks/token_budgets.md), so it is never chosen for you.
       block_size: the blocked form's block length: it divides ``L``, or ``L`` is at most
         one block (e.g. a short line length of a ``TokenPacking`` with ``buckets``),
         whose attention is the dense form's.

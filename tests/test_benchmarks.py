@@ -88,16 +88,39 @@ def test_every_script_has_a_row_in_the_index():
         assert f"python -m benchmarks.{script[:-3]}" in index, script
 
 
-def test_the_index_links_sections_of_benchmarks_md():
-    headings = re.findall(r"^#+ (.*)$", (ROOT / "BENCHMARKS.md").read_text(), flags=re.M)
-    anchors = set(re.findall(r"\(\.\./BENCHMARKS\.md#([^)]+)\)", INDEX.read_text()))
-    assert anchors and anchors <= {slug(h) for h in headings}
+PAGES = ROOT / "docs" / "benchmarks"  # the figures, a page per question; BENCHMARKS.md indexes them
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of ``page``'s headings (outside code blocks)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    return {slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def test_links_to_the_benchmark_pages_name_their_sections():
+    """Every link of the index, the scripts' index and the pages to a benchmark page
+    (and a section) resolves; BENCHMARKS.md and docs/benchmarks.md list every page."""
+    found = 0
+    for source in [ROOT / "BENCHMARKS.md", INDEX, *sorted(PAGES.glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", source.read_text()):
+            page = (source.parent / target).resolve() if target else source
+            if page.parent != PAGES or page.suffix != ".md":
+                continue
+            found += 1
+            assert page.exists(), f"{source.name} links {target}, which does not exist"
+            assert not anchor or anchor in anchors(page), f"{source.name}: {target}#{anchor}"
+    assert found > 40
+    index, toctree = (ROOT / "BENCHMARKS.md").read_text(), (ROOT / "docs/benchmarks.md").read_text()
+    for page in PAGES.glob("*.md"):
+        assert f"](docs/benchmarks/{page.name}" in index, f"BENCHMARKS.md does not link {page.name}"
+        assert f"benchmarks/{page.stem}\n" in toctree, f"docs/benchmarks.md lacks {page.stem}"
 
 
 def test_commands_run_the_benchmarks_as_modules():
     old = re.compile(r"python3? (?:\./)?benchmarks/\w+\.py|PYTHONPATH=\.(?:\s|$)")
     found = set()
-    for path in [ROOT / "BENCHMARKS.md", ROOT / "README.md", *(ROOT / "benchmarks").glob("*")]:
+    pages = [*(ROOT / "benchmarks").glob("*"), *(ROOT / "docs" / "benchmarks").glob("*")]
+    for path in [ROOT / "BENCHMARKS.md", ROOT / "README.md", *pages]:
         if path.suffix in {".md", ".py"} and old.search(path.read_text()):
             found.add(str(path.relative_to(ROOT)))
     assert found == OLD_COMMANDS_PENDING, f"old commands: {found - OLD_COMMANDS_PENDING}"
