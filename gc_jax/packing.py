@@ -50,7 +50,6 @@ from gc_jax._chunks.packing import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
 from gc_jax._chunks.token_rows import MASK
 
 __all__ = [
-    "IMPLEMENTATIONS",
     "attention",
     "attention_mask",
     "first_token",

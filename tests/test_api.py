@@ -20,6 +20,7 @@ import difflib
 import importlib
 import inspect
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,12 @@ def test_every_public_module_declares_all():
         found = importlib.import_module(module)
         missing = [n for n in found.__all__ if not hasattr(found, n)]
         assert not missing, f"{module}.__all__ names what it does not define: {missing}"
+
+
+def test_the_version_is_the_one_pyproject_declares():
+    """``gc_jax.__version__`` is what the wheel is built as (``pyproject.toml``)."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert importlib.import_module("gc_jax").__version__ == declared
 
 
 def test_the_public_api_matches_the_snapshot():
