@@ -98,12 +98,20 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_links_to_the_benchmark_pages_name_their_sections():
-    """Every link of the index, the scripts' index and the pages to a benchmark page
-    (and a section) resolves; BENCHMARKS.md and docs/benchmarks.md list every page."""
+    """Every link to a benchmark page (and a section) resolves, from the index, the
+    scripts' index, the pages, the guide and the README; BENCHMARKS.md and
+    docs/benchmarks.md list every page."""
     found = 0
-    for source in [ROOT / "BENCHMARKS.md", INDEX, *sorted(PAGES.glob("*.md"))]:
+    index_pages = {ROOT / "BENCHMARKS.md", ROOT / "docs" / "benchmarks.md"}  # the index
+    sources = [ROOT / "BENCHMARKS.md", ROOT / "README.md", INDEX, *sorted(PAGES.glob("*.md"))]
+    for source in [*sources, *sorted((ROOT / "docs").glob("*.md"))]:
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", source.read_text()):
             page = (source.parent / target).resolve() if target else source
+            if page in index_pages:
+                assert not anchor or anchor in anchors(ROOT / "BENCHMARKS.md"), (
+                    f"{source.name} links {target}#{anchor}: the figures are on the pages "
+                    "(docs/benchmarks/), BENCHMARKS.md is their index"
+                )
             if page.parent != PAGES or page.suffix != ".md":
                 continue
             found += 1
