@@ -1,5 +1,8 @@
 """The benchmarks: the accelerator runs (on this CPU, with a tiny model) and what they
-report; the package runs as ``python -m benchmarks.<name>`` and its index is complete."""
+report; the package runs as ``python -m benchmarks.<name>`` and its index is complete.
+
+The tests that run a benchmark's model or a subprocess are ``slow`` (out of the fast
+lane, docs/development.md); the index, link and parsing checks take milliseconds."""
 
 import json
 import os
@@ -13,6 +16,7 @@ import pytest
 from benchmarks import common, gpu_step, tpu_compile
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_gpu_step_worker_trains_the_tiny_model(capsys):
     gpu_step.main(["--tiny", "--worker", "gc_jax (grow)", "--batches", "32", "--steps", "1",
                    "--grow-chunk", "8"])  # fmt: skip
@@ -134,6 +138,7 @@ def test_commands_run_the_benchmarks_as_modules():
     assert found == OLD_COMMANDS_PENDING, f"old commands: {found - OLD_COMMANDS_PENDING}"
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_every_benchmark_module_imports_from_the_root():
     """``python -m benchmarks.<name>`` imports (examples/ on PYTHONPATH for two of them)."""
     modules = [f"benchmarks.{name.removesuffix('.py')}" for name in sorted(SHARED | set(SCRIPTS))]
@@ -166,6 +171,7 @@ def test_buffer_assignment_reads_both_libtpu_formats():
 # --- gc_jax against PyTorch GradCache (the JAX side; the PyTorch side needs torch) -------
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_vs_pytorch_jax_side_writes_its_figures(tmp_path):
     """The whole script on this CPU, JAX only: one worker process, its figures in the JSON."""
     from benchmarks import bert, vs_pytorch
@@ -211,6 +217,7 @@ def test_vs_pytorch_weights_map_to_bert_model_and_back():
             np.testing.assert_array_equal(back[k], mine[k], err_msg=k)
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_vs_pytorch_workers_share_weights_and_batches(tmp_path):
     """The parent's NumPy weights: bert.init_params's tree, shapes and distributions,
     the same from the same seed, loaded as saved; every worker draws the same batches."""
@@ -244,6 +251,7 @@ def test_vs_pytorch_workers_share_weights_and_batches(tmp_path):
     assert (p1["mask"].sum(1) >= 4).all() and not (q1["ids"] == p1["ids"][:, :8]).all()
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_vs_pytorch_parent_initialises_no_device(tmp_path):
     """Drawing the weights imports JAX for the shapes only: no backend is started."""
     code = ("import sys; from benchmarks import vs_pytorch; from jax._src import xla_bridge; "
@@ -285,6 +293,7 @@ def test_vs_pytorch_batches_must_be_whole_chunks(capsys):
     assert "each a multiple of --chunk 64" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_bert_attention_options():
     """``xla_remat`` gives the XLA attention's loss and gradients; cuDNN's needs 16-bit
     compute; anything else is refused."""
@@ -310,6 +319,7 @@ def test_bert_attention_options():
         bert.BertConfig(attention="flash")
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_gpu_step_compile_child_reports_each_variant(capsys):
     """``--compile-only`` runs in a child (this is its worker): compiled bytes of the
     variant at each batch, and the largest shapes of the temp allocation from XLA's dump."""
@@ -324,6 +334,7 @@ def test_gpu_step_compile_child_reports_each_variant(capsys):
         assert sizes == sorted(sizes, reverse=True) and sizes[0] <= r["temp_bytes"]
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_fsdp_pod_counts_collectives_through_nested_loops():
     """``benchmarks.fsdp_pod`` reads collectives per step from the optimised HLO: an
     all-reduce in a 3-step scan inside a 4-step loop runs 12 times, and one outside any
@@ -352,6 +363,7 @@ def test_fsdp_pod_counts_collectives_through_nested_loops():
     assert found["once"] == [1, size], found
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_packed_attention_counts_lines_of_one_length_as_the_dense_lines():
     """``benchmarks.packed_attention_tpu --buckets``: with the padded length as the only
     bucket, its count of the dense form over ``TokenPacking``'s chunks is the dense

@@ -16,6 +16,8 @@ import pytest
 
 import gc_jax
 
+pytestmark = pytest.mark.slow  # the docs build: out of the fast lane (docs/development.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -37,6 +37,8 @@ import gc_jax
 from gc_jax import cachex
 from gc_jax._chunk_size import compiled_bytes, device_memory
 
+pytestmark = pytest.mark.slow  # the TPU compiler: out of the fast lane (docs/development.md)
+
 MIB = 2**20
 WIDTH, DEPTH, DIM_OUT, CHUNK = 256, 8, 128, 128
 
