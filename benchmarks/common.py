@@ -424,7 +424,7 @@ def allocated_temp(dump: str) -> int | None:
 
     On the TPU compiler ``memory_analysis().temp_size_in_bytes`` can exceed what the
     buffer assignment allocates by whole batch-sized buffers, and the compiler's own
-    out-of-memory check follows the buffer assignment (see BENCHMARKS.md).
+    out-of-memory check follows the buffer assignment (docs/benchmarks/largest_batch.md).
     """
     for path in glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt")):
         with open(path) as f:

@@ -8,7 +8,7 @@ buffer assignment allocates (arguments + allocated temporaries + outputs, read f
 XLA dump: what the chip holds, and what the compiler's own check follows) is at most
 the HBM the compiler offers a program on that chip (read from the same error message).
 ``memory_analysis()``'s total is recorded too: on the TPU compiler its temporaries can
-exceed the allocation by whole batch-sized buffers (see BENCHMARKS.md).
+exceed the allocation by whole batch-sized buffers (docs/benchmarks/largest_batch.md).
 
 The model is ``benchmarks/bert.py``'s: two BERT-base towers (12 x 768, float32
 parameters, bfloat16 compute), queries of 32 tokens and passages of 128, InfoNCE with
@@ -140,7 +140,8 @@ def compile_at(step, cfg, device, rows: int, budget: float | None) -> dict:
     allocated_total = total - m.temp_size_in_bytes + allocated
     # The compiler refuses a program that does not fit its HBM (RESOURCE_EXHAUSTED); its
     # check follows the buffer assignment (allocated), not memory_analysis' temp, which
-    # on the TPU compiler can exceed it by whole batch-sized buffers (BENCHMARKS.md).
+    # on the TPU compiler can exceed it by whole batch-sized buffers
+    # (docs/benchmarks/largest_batch.md).
     fits = budget is None or allocated_total <= budget
     took = time.perf_counter() - start
     return {"fits": fits, "compiled": True, "temp": m.temp_size_in_bytes, "total": total,

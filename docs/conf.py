@@ -42,10 +42,18 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
 
 
 # BENCHMARKS.md and benchmarks/README.md are included whole (docs/benchmarks.md,
-# docs/benchmark_scripts.md); their links to each other become links between the pages.
+# docs/benchmark_scripts.md), and the benchmark pages (docs/benchmarks/) link the
+# index at the repository root: their links to each other become links between pages.
 _LINKS = {
-    "BENCHMARKS.md": {"](benchmarks/README.md": "](benchmark_scripts.md"},
-    "benchmarks/README.md": {"](../BENCHMARKS.md": "](benchmarks.md"},
+    "BENCHMARKS.md": {
+        "](benchmarks/README.md": "](benchmark_scripts.md",
+        "](docs/benchmarks/": "](benchmarks/",
+    },
+    "benchmarks/README.md": {
+        "](../BENCHMARKS.md": "](benchmarks.md",
+        "](../docs/benchmarks/": "](benchmarks/",
+    },
+    "benchmark pages": {"](../../BENCHMARKS.md": "](../benchmarks.md"},
 }
 
 
@@ -55,6 +63,13 @@ def _relink(app, relative_path, parent_docname, content):
         content[0] = content[0].replace(old, new)
 
 
+def _relink_pages(app, docname, content):
+    if docname.startswith("benchmarks/"):
+        for old, new in _LINKS["benchmark pages"].items():
+            content[0] = content[0].replace(old, new)
+
+
 def setup(app):
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("include-read", _relink)
+    app.connect("source-read", _relink_pages)

@@ -31,8 +31,9 @@ from gc_jax import _plan, _validation
 from gc_jax._base import PyTree
 
 _GIB = 2**30
-# The HBM the TPU compiler offers one program per device (libtpu 0.0.42, measured
-# from its out-of-memory message); used when the compiler's message cannot be read.
+# The HBM the TPU compiler offers one program per device, read from its out-of-memory
+# message with libtpu 0.0.42 (docs/benchmarks/largest_batch.md, "The TPU compiler: the
+# largest batch per TPU chip"); used when the compiler's message cannot be read.
 _TPU_HBM = types.MappingProxyType(
     {
         "TPU v4": 30.75 * _GIB,  # megacore: one device per chip

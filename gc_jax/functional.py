@@ -52,6 +52,12 @@ import numpy as np
 from gc_jax import _distributed, _layout, _passes, _validation
 from gc_jax._base import Encoder, PyTree
 
+__all__ = [
+    "cached",
+    "cat_inputs",
+    "gather_inputs",
+]
+
 
 def _input(encode: Encoder, params: PyTree, chunk: PyTree, key) -> _passes.Input:
     """The sub-batch as one chunk of the passes, encoded with the user's own ``key``.

@@ -42,10 +42,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from gc_jax._chunks import token_rows
 from gc_jax._chunks.packing import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
 from gc_jax._chunks.token_rows import MASK
+
+__all__ = [
+    "attention",
+    "attention_mask",
+    "first_token",
+    "is_packed",
+    "mean_pool",
+    "positions",
+    "segment_ids",
+]
 
 IMPLEMENTATIONS = ("xla", "blocked", "splash")
 # The shares of a chunk's (query block, key block) pairs a "blocked" attention has a
@@ -59,13 +71,70 @@ def is_packed(chunk: Any) -> bool:
     return hasattr(chunk, "keys") and SEGMENT_IDS in chunk
 
 
+def _shape(x: Any) -> str:
+    return f"shape {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+
+
+def _entry(chunk: Any, name: str, where: str, argument: str = "mask") -> jax.Array:
+    """``chunk[name]``, or an error naming ``where`` and the chunk's keys (``argument``:
+    the keyword that names the key, if any)."""
+    if not hasattr(chunk, "keys"):
+        raise TypeError(
+            f"{where}(chunk=...) must be the dict batch the encoder receives (with its "
+            f"{name!r}), got {type(chunk).__name__} ({_shape(chunk)})."
+        )
+    if name not in chunk:
+        hint = f", or name the key with {argument}='...'" if argument else ""
+        raise ValueError(
+            f"{where}(chunk=...) has no {name!r} key (its keys: {sorted(chunk)}); pass the "
+            f"chunk the encoder receives{hint}."
+        )
+    return jnp.asarray(chunk[name])
+
+
+def _mask(chunk: Any, mask: str, where: str) -> jax.Array:
+    """``chunk[mask]``, ``[lines, L]``, the packing keys checked against it."""
+    keep = _entry(chunk, mask, where)
+    if keep.ndim != 2:
+        raise ValueError(f"{where}: chunk[{mask!r}] must be [lines, L], got {_shape(keep)}.")
+    if is_packed(chunk) and jnp.shape(chunk[SEGMENT_IDS]) != keep.shape:
+        raise ValueError(
+            f"{where}: chunk[{SEGMENT_IDS!r}] has {_shape(chunk[SEGMENT_IDS])} and "
+            f"chunk[{mask!r}] {_shape(keep)}; a packed chunk's keys are all [lines, L]: "
+            "pass the chunk TokenPacking gives the encoder."
+        )
+    return keep
+
+
+def _check_tokens(x: jax.Array, name: str, chunk: Any, mask: str, where: str) -> None:
+    """``x`` is ``[lines, L, ...]`` of the chunk's tokens, or an error naming it."""
+    lines, length = _mask(chunk, mask, where).shape
+    if jnp.ndim(x) < 2 or jnp.shape(x)[:2] != (lines, length):
+        raise ValueError(
+            f"{where}: {name} has {_shape(x)} but the chunk holds {lines} lines of "
+            f"{length} tokens (chunk[{mask!r}] is [{lines}, {length}]); pass {name} computed "
+            f"from this chunk's tokens, [{lines}, {length}, ...]."
+        )
+
+
+def _slots(chunk: Mapping, where: str) -> jax.Array:
+    """A packed chunk's ``segment_starts``, ``int[lines, segments]``."""
+    starts = _entry(chunk, SEGMENT_STARTS, where, argument="")
+    if starts.ndim != 2 or starts.shape[0] != jnp.shape(chunk[SEGMENT_IDS])[0]:
+        raise ValueError(
+            f"{where}: chunk[{SEGMENT_STARTS!r}] must be [lines, segments] with the lines of "
+            f"chunk[{SEGMENT_IDS!r}] ({_shape(chunk[SEGMENT_IDS])}), got {_shape(starts)}."
+        )
+    return starts
+
+
 def attention_mask(chunk: Mapping, mask: str = MASK) -> jax.Array:
     """Which keys each query may attend to, ``bool[lines, 1, L, L]`` (heads axis 1).
 
     Packed: the keys of the query's own row that ``chunk[mask]`` keeps. Unpacked:
     ``chunk[mask]`` as ``[rows, 1, 1, L]``, which broadcasts the same way.
     """
-    keep = jnp.asarray(chunk[mask]) != 0
+    keep = _mask(chunk, mask, "packing.attention_mask") != 0
     if not is_packed(chunk):
         return keep[:, None, None, :]
     segment = chunk[SEGMENT_IDS]
@@ -76,9 +145,13 @@ def attention_mask(chunk: Mapping, mask: str = MASK) -> jax.Array:
 def positions(chunk: Mapping, key: str = "input_ids") -> jax.Array:
     """Each token's position in its row, ``int32[lines, L]``: ``chunk["position_ids"]``
     where it has one, else ``arange(L)`` on every line (of ``chunk[key]``'s shape)."""
-    if POSITION_IDS in chunk:
+    if hasattr(chunk, "keys") and POSITION_IDS in chunk:
         return jnp.asarray(chunk[POSITION_IDS])
-    return jnp.broadcast_to(jnp.arange(chunk[key].shape[1]), chunk[key].shape[:2])
+    tokens = _entry(chunk, key, "packing.positions", argument="key")
+    if tokens.ndim < 2:
+        raise ValueError(f"packing.positions: chunk[{key!r}] must be [lines, L], got "
+                         f"{_shape(tokens)}.")  # fmt: skip
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape[:2])
 
 
 def mean_pool(hidden: jax.Array, chunk: Mapping, mask: str = MASK) -> jax.Array:
@@ -88,12 +161,13 @@ def mean_pool(hidden: jax.Array, chunk: Mapping, mask: str = MASK) -> jax.Array:
     fewer rows) repeats the line's first row, so that no output is a zero vector
     (normalised, its gradient would be NaN). Unpacked: ``[rows, ...]``.
     """
+    _check_tokens(hidden, "hidden", chunk, mask, "packing.mean_pool")
     keep = (jnp.asarray(chunk[mask]) != 0).astype(hidden.dtype)
     if not is_packed(chunk):
         keep = keep.reshape(*keep.shape, *[1] * (hidden.ndim - 2))
         return jnp.sum(hidden * keep, axis=1) / jnp.maximum(jnp.sum(keep, axis=1), 1)
     segment = jnp.asarray(chunk[SEGMENT_IDS])
-    segments = chunk[SEGMENT_STARTS].shape[1]
+    segments = _slots(chunk, "packing.mean_pool").shape[1]
     slots = segment[..., None] == jnp.arange(1, segments + 1)  # [lines, L, S]
     empty = ~jnp.any(slots, axis=1, keepdims=True)  # [lines, 1, S]
     slots = slots | (empty & (segment == 1)[..., None])  # an empty slot: the first row
@@ -113,7 +187,14 @@ def first_token(hidden: jax.Array, chunk: Mapping) -> jax.Array:
     """
     if not is_packed(chunk):
         return hidden[:, 0]
-    starts = chunk[SEGMENT_STARTS]
+    starts = _slots(chunk, "packing.first_token")
+    if jnp.ndim(hidden) < 2 or jnp.shape(hidden)[:2] != jnp.shape(chunk[SEGMENT_IDS]):
+        lines, length = jnp.shape(chunk[SEGMENT_IDS])
+        raise ValueError(
+            f"packing.first_token: hidden has {_shape(hidden)} but the chunk holds {lines} "
+            f"lines of {length} tokens (chunk[{SEGMENT_IDS!r}]); pass hidden computed from "
+            f"this chunk's tokens, [{lines}, {length}, ...]."
+        )
     at = starts.reshape(*starts.shape, *[1] * (hidden.ndim - 2))
     return jnp.take_along_axis(hidden, at, axis=1).reshape(-1, *hidden.shape[2:])
 
@@ -128,7 +209,7 @@ def segment_ids(chunk: Mapping, mask: str = MASK) -> tuple[jax.Array, jax.Array]
     mask filled with a large negative does: a uniform mean), so no query is left
     without keys (:func:`attention` also gives such a line equal scores).
     """
-    keep = jnp.asarray(chunk[mask]) != 0
+    keep = _mask(chunk, mask, "packing.segment_ids") != 0
     if is_packed(chunk):
         query = jnp.asarray(chunk[SEGMENT_IDS], jnp.int32)
     else:
@@ -168,8 +249,8 @@ def attention(
         every block of a line computed: splash skips only the blocks of its static
         mask, and segment ids are data) or None: splash on TPU where the shapes allow
         (``L`` a multiple of 128), else xla. On XLA:CPU ``"blocked"`` measured slower than
-        ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips; see
-        BENCHMARKS.md), so it is never chosen for you.
+        ``"xla"`` at d = 128 (its gathers cost more than the blocks it skips:
+        docs/benchmarks/token_budgets.md), so it is never chosen for you.
       block_size: the blocked form's block length: it divides ``L``, or ``L`` is at most
         one block (e.g. a short line length of a ``TokenPacking`` with ``buckets``),
         whose attention is the dense form's.
@@ -195,6 +276,7 @@ def attention(
     if query.ndim != 4 or key.shape != query.shape or value.shape[:3] != query.shape[:3]:
         raise ValueError("packing.attention: query, key and value must be [lines, L, heads, "
                          f"head_dim]; got {query.shape}, {key.shape}, {value.shape}")  # fmt: skip
+    _check_tokens(query, "query", chunk, mask, "packing.attention")
     block_size = token_rows.positive_int(block_size, "packing.attention(block_size=...)")
     ids = segment_ids(chunk, mask)
     # A line without a kept key: equal scores (a uniform mean), as a dense mask filled
@@ -215,7 +297,8 @@ def attention(
             )
         return _blocked(query, key, value, *ids, block_size)
     if implementation == "splash":
-        return _splash(query, key, value, *ids)
+        return jax.lax.platform_dependent(query, key, value, *ids, tpu=_splash,
+                                          default=_splash_off_tpu)  # fmt: skip
     return jax.lax.platform_dependent(query, key, value, *ids, tpu=_splash, default=_dense)
 
 
@@ -314,3 +397,41 @@ def _splash(query, key, value, query_ids, key_ids):
     out = jax.vmap(line)(heads_first(scaled), heads_first(key), heads_first(value),
                          query_ids, key_ids)  # fmt: skip
     return heads_first(out).astype(query.dtype)
+
+
+# implementation="splash" compiled for another platform than TPU: Pallas's own error
+# ("Only interpret mode is supported on CPU backend") does not say what to write. The
+# platform is known only when the program is lowered (a CPU host compiles for TPU
+# devices with jax.experimental.topologies), so the branch platform_dependent lowers
+# off TPU passes the query through a primitive whose lowering raises.
+_SPLASH_TPU_ONLY = (
+    "packing.attention(implementation='splash'): splash attention is a Pallas TPU kernel, "
+    "and this program is compiled for {platforms}; write implementation=None (splash on "
+    "TPU where L is a multiple of 128, else 'xla') or implementation='xla'."
+)
+
+
+def _refuse_off_tpu(ctx: Any = None, *args: Any, **params: Any) -> None:
+    platforms = getattr(getattr(ctx, "module_context", None), "platforms", None)
+    platforms = platforms or [jax.default_backend()]  # not lowered: run where it stands
+    raise ValueError(_SPLASH_TPU_ONLY.format(platforms=", ".join(platforms)))
+
+
+_OFF_TPU = Primitive("gc_jax_splash_off_tpu")  # identity, lowered nowhere
+_OFF_TPU.def_impl(lambda x: _refuse_off_tpu())
+_OFF_TPU.def_abstract_eval(lambda x: x)
+mlir.register_lowering(_OFF_TPU, _refuse_off_tpu)
+batching.primitive_batchers[_OFF_TPU] = lambda args, dims: (_OFF_TPU.bind(*args), dims[0])
+
+
+@jax.custom_vjp
+def _off_tpu(x: jax.Array) -> jax.Array:
+    return _OFF_TPU.bind(x)
+
+
+_off_tpu.defvjp(lambda x: (_OFF_TPU.bind(x), None), lambda _, ct: (_OFF_TPU.bind(ct),))
+
+
+def _splash_off_tpu(query, key, value, query_ids, key_ids):
+    """``implementation="splash"`` lowered for another platform: a ValueError saying so."""
+    return _dense(_off_tpu(query), key, value, query_ids, key_ids)

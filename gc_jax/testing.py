@@ -22,6 +22,11 @@ from gc_jax._base import PyTree
 from gc_jax._chunks.packing import SEGMENT_STARTS
 from gc_jax._plan import ChunkSize
 
+__all__ = [
+    "assert_matches_full_batch",
+    "full_batch_value_and_grad",
+]
+
 
 def _full_batch_reps(encode, params, x, chunk_size, rng, index):
     """Encodes the batch in one differentiable graph; with an rng, chunk by chunk with

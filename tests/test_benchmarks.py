@@ -1,5 +1,8 @@
 """The benchmarks: the accelerator runs (on this CPU, with a tiny model) and what they
-report; the package runs as ``python -m benchmarks.<name>`` and its index is complete."""
+report; the package runs as ``python -m benchmarks.<name>`` and its index is complete.
+
+The tests that run a benchmark's model or a subprocess are ``slow`` (out of the fast
+lane, docs/development.md); the index, link and parsing checks take milliseconds."""
 
 import json
 import os
@@ -13,6 +16,7 @@ import pytest
 from benchmarks import common, gpu_step, tpu_compile
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_gpu_step_worker_trains_the_tiny_model(capsys):
     gpu_step.main(["--tiny", "--worker", "gc_jax (grow)", "--batches", "32", "--steps", "1",
                    "--grow-chunk", "8"])  # fmt: skip
@@ -88,21 +92,53 @@ def test_every_script_has_a_row_in_the_index():
         assert f"python -m benchmarks.{script[:-3]}" in index, script
 
 
-def test_the_index_links_sections_of_benchmarks_md():
-    headings = re.findall(r"^#+ (.*)$", (ROOT / "BENCHMARKS.md").read_text(), flags=re.M)
-    anchors = set(re.findall(r"\(\.\./BENCHMARKS\.md#([^)]+)\)", INDEX.read_text()))
-    assert anchors and anchors <= {slug(h) for h in headings}
+PAGES = ROOT / "docs" / "benchmarks"  # the figures, a page per question; BENCHMARKS.md indexes them
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of ``page``'s headings (outside code blocks)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    return {slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def test_links_to_the_benchmark_pages_name_their_sections():
+    """Every link to a benchmark page (and a section) resolves, from the index, the
+    scripts' index, the pages, the guide and the README; BENCHMARKS.md and
+    docs/benchmarks.md list every page."""
+    found = 0
+    index_pages = {ROOT / "BENCHMARKS.md", ROOT / "docs" / "benchmarks.md"}  # the index
+    sources = [ROOT / "BENCHMARKS.md", ROOT / "README.md", INDEX, *sorted(PAGES.glob("*.md"))]
+    for source in [*sources, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", source.read_text()):
+            page = (source.parent / target).resolve() if target else source
+            if page in index_pages:
+                assert not anchor or anchor in anchors(ROOT / "BENCHMARKS.md"), (
+                    f"{source.name} links {target}#{anchor}: the figures are on the pages "
+                    "(docs/benchmarks/), BENCHMARKS.md is their index"
+                )
+            if page.parent != PAGES or page.suffix != ".md":
+                continue
+            found += 1
+            assert page.exists(), f"{source.name} links {target}, which does not exist"
+            assert not anchor or anchor in anchors(page), f"{source.name}: {target}#{anchor}"
+    assert found > 40
+    index, toctree = (ROOT / "BENCHMARKS.md").read_text(), (ROOT / "docs/benchmarks.md").read_text()
+    for page in PAGES.glob("*.md"):
+        assert f"](docs/benchmarks/{page.name}" in index, f"BENCHMARKS.md does not link {page.name}"
+        assert f"benchmarks/{page.stem}\n" in toctree, f"docs/benchmarks.md lacks {page.stem}"
 
 
 def test_commands_run_the_benchmarks_as_modules():
     old = re.compile(r"python3? (?:\./)?benchmarks/\w+\.py|PYTHONPATH=\.(?:\s|$)")
     found = set()
-    for path in [ROOT / "BENCHMARKS.md", ROOT / "README.md", *(ROOT / "benchmarks").glob("*")]:
+    pages = [*(ROOT / "benchmarks").glob("*"), *(ROOT / "docs" / "benchmarks").glob("*")]
+    for path in [ROOT / "BENCHMARKS.md", ROOT / "README.md", *pages]:
         if path.suffix in {".md", ".py"} and old.search(path.read_text()):
             found.add(str(path.relative_to(ROOT)))
     assert found == OLD_COMMANDS_PENDING, f"old commands: {found - OLD_COMMANDS_PENDING}"
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_every_benchmark_module_imports_from_the_root():
     """``python -m benchmarks.<name>`` imports (examples/ on PYTHONPATH for two of them)."""
     modules = [f"benchmarks.{name.removesuffix('.py')}" for name in sorted(SHARED | set(SCRIPTS))]
@@ -135,6 +171,7 @@ def test_buffer_assignment_reads_both_libtpu_formats():
 # --- gc_jax against PyTorch GradCache (the JAX side; the PyTorch side needs torch) -------
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_vs_pytorch_jax_side_writes_its_figures(tmp_path):
     """The whole script on this CPU, JAX only: one worker process, its figures in the JSON."""
     from benchmarks import bert, vs_pytorch
@@ -180,6 +217,7 @@ def test_vs_pytorch_weights_map_to_bert_model_and_back():
             np.testing.assert_array_equal(back[k], mine[k], err_msg=k)
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_vs_pytorch_workers_share_weights_and_batches(tmp_path):
     """The parent's NumPy weights: bert.init_params's tree, shapes and distributions,
     the same from the same seed, loaded as saved; every worker draws the same batches."""
@@ -213,6 +251,7 @@ def test_vs_pytorch_workers_share_weights_and_batches(tmp_path):
     assert (p1["mask"].sum(1) >= 4).all() and not (q1["ids"] == p1["ids"][:, :8]).all()
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_vs_pytorch_parent_initialises_no_device(tmp_path):
     """Drawing the weights imports JAX for the shapes only: no backend is started."""
     code = ("import sys; from benchmarks import vs_pytorch; from jax._src import xla_bridge; "
@@ -254,6 +293,7 @@ def test_vs_pytorch_batches_must_be_whole_chunks(capsys):
     assert "each a multiple of --chunk 64" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_bert_attention_options():
     """``xla_remat`` gives the XLA attention's loss and gradients; cuDNN's needs 16-bit
     compute; anything else is refused."""
@@ -279,6 +319,7 @@ def test_bert_attention_options():
         bert.BertConfig(attention="flash")
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_gpu_step_compile_child_reports_each_variant(capsys):
     """``--compile-only`` runs in a child (this is its worker): compiled bytes of the
     variant at each batch, and the largest shapes of the temp allocation from XLA's dump."""
@@ -293,6 +334,7 @@ def test_gpu_step_compile_child_reports_each_variant(capsys):
         assert sizes == sorted(sizes, reverse=True) and sizes[0] <= r["temp_bytes"]
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_fsdp_pod_counts_collectives_through_nested_loops():
     """``benchmarks.fsdp_pod`` reads collectives per step from the optimised HLO: an
     all-reduce in a 3-step scan inside a 4-step loop runs 12 times, and one outside any
@@ -321,6 +363,7 @@ def test_fsdp_pod_counts_collectives_through_nested_loops():
     assert found["once"] == [1, size], found
 
 
+@pytest.mark.slow  # runs a benchmark's model or subprocess
 def test_packed_attention_counts_lines_of_one_length_as_the_dense_lines():
     """``benchmarks.packed_attention_tpu --buckets``: with the padded length as the only
     bucket, its count of the dense form over ``TokenPacking``'s chunks is the dense

@@ -199,3 +199,37 @@ def test_importing_gc_jax_does_not_import_equinox():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True, cwd=Path(__file__).parents[1])  # fmt: skip
     assert out.stdout.strip() == "False"
+
+
+def test_equinox_vmap_false_on_a_per_example_model_hints_vmap():
+    x = jnp.arange(32.0).reshape(8, 4) / 32
+    model = eqx.nn.MLP(4, 2, width_size=8, depth=1, key=jax.random.key(0))
+    encode, params = gc_jax.equinox_encoder(model, vmap=False)
+    with pytest.raises(TypeError, match=r"dot_general(.|\n)*vmap=False calls the model once on "
+                       r"the whole chunk.*leave vmap=True"):  # fmt: skip
+        encode(params, x, None)
+    encode, params = gc_jax.equinox_encoder(model)
+    assert encode(params, x, None).shape == (8, 2)
+
+
+def test_equinox_state_is_named_unsupported():
+
+    class Normed(eqx.Module):
+        linear: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+
+        def __init__(self):
+            self.linear = eqx.nn.Linear(4, 2, key=jax.random.key(0))
+            self.norm = eqx.nn.BatchNorm(2, "batch", mode="batch")
+
+        def __call__(self, x, state, *, key=None):
+            return self.norm(self.linear(x), state)
+
+    match = r"uses an eqx.nn.State \(model.norm, model\(\.\.\., state\)\).*not supported"
+    with pytest.raises(ValueError, match=match):
+        gc_jax.equinox_encoder(Normed())
+    seq = eqx.nn.Sequential(
+        [eqx.nn.Linear(4, 2, key=jax.random.key(0)), eqx.nn.BatchNorm(2, "b", mode="batch")]
+    )
+    with pytest.raises(ValueError, match=r"eqx.nn.State \(model.layers\[1\]\).*not supported"):
+        gc_jax.equinox_encoder(seq)

@@ -37,6 +37,8 @@ from text_encoder import EncoderConfig, SentenceEncoder
 
 import gc_jax
 
+pytestmark = pytest.mark.slow  # the example runs: out of the fast lane (docs/development.md)
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -274,3 +274,57 @@ def test_nnx_scanned_layers_with_dropout_in_every_form():
     chex.assert_trees_all_close(metrics["loss"], want[0], rtol=2e-5)
     moved = jax.tree.map(lambda p, g: p - g, params, want[1])
     chex.assert_trees_all_close(new_params, moved, rtol=2e-5, atol=2e-6)
+
+
+# --- An NNX model where its state belongs; NNX dropout with no key (issue 34) --------------
+
+X = jnp.arange(32.0).reshape(8, 4) / 32
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def test_an_nnx_model_as_params_names_nnx_state():
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    grad_fn = gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(model), chunk_size=4)
+    with pytest.raises(TypeError, match=r"got an nnx.Module \(Linear\) as params.*"
+                       r"nnx.state\(model, nnx.Param\).*nnx.split"):  # fmt: skip
+        grad_fn(model, X, X)
+    other = nnx.state(nnx.Linear(4, 4, use_bias=False, rngs=nnx.Rngs(0)), nnx.Param)
+    with pytest.raises(ValueError, match=r"params that do not match the model.*nnx.state"):
+        grad_fn(other, X, X)
+    grads = jax.jit(grad_fn)(nnx.state(model, nnx.Param), X, X)[1]
+    assert isinstance(grads, nnx.State)
+
+
+class Dropped(nnx.Module):
+    def __init__(self, rate: float = 0.5):
+        self.dense = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.dropout = nnx.Dropout(rate, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.dropout(self.dense(x))
+
+
+def test_nnx_dropout_without_a_key_raises_like_linen():
+    model = Dropped()
+    params = nnx.state(model, nnx.Param)
+    grad_fn = gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(model), chunk_size=4)
+    with pytest.raises(TypeError, match=r"model.dropout\) but got key=None.*rng=jax.random.key"
+                       r".*nnx.view\(model, deterministic=True\)"):  # fmt: skip
+        grad_fn(params, X, X)
+    with pytest.raises(TypeError, match=r"dropout in training mode"):
+        gc_jax.testing.assert_matches_full_batch(loss, gc_jax.nnx_encoder(model), 4,
+                                                 params, X, X)  # fmt: skip
+    # With a key dropout is on; in eval mode (said explicitly) it is off.
+    with_key, _ = grad_fn(params, X, X, rng=jax.random.key(0))
+    plain = nnx.view(model, deterministic=True)
+    off, _ = gc_jax.cached_value_and_grad(loss, gc_jax.nnx_encoder(plain), 4)(params, X, X)
+    chex.assert_trees_all_close(off, loss(None, plain(X), plain(X)), **TOL)
+    assert not jnp.allclose(with_key, off)
+    model.eval()
+    chex.assert_trees_all_close(gc_jax.nnx_encoder(model)(params, X, None), plain(X), **TOL)
+
+
+def test_nnx_dropout_of_rate_zero_needs_no_key():
+    model = Dropped(rate=0.0)
+    out = gc_jax.nnx_encoder(model)(nnx.state(model, nnx.Param), X, None)
+    chex.assert_trees_all_close(out, model.dense(X), **TOL)

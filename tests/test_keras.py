@@ -374,3 +374,14 @@ def test_importing_gc_jax_does_not_import_keras():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True, cwd=Path(__file__).parents[1])  # fmt: skip
     assert out.stdout.strip() == "False"
+
+
+def test_a_keras_dict_model_names_a_missing_key():
+    x = jnp.arange(32.0).reshape(8, 4) / 32
+    a, other = keras.Input((4,), name="a"), keras.Input((4,), name="other")
+    out = keras.layers.Dense(2)(keras.layers.Concatenate()([a, other]))
+    encode, params = gc_jax.keras_encoder(keras.Model({"a": a, "other": other}, out))
+    with pytest.raises(ValueError, match=r"keys \['a', 'other'\], but the batch has no "
+                       r"\['other'\] \(its keys: \['a'\]\).*Add \['other'\]"):  # fmt: skip
+        encode(params, {"a": x}, None)
+    assert encode(params, {"a": x, "other": x}, None).shape == (8, 2)

@@ -20,6 +20,8 @@ import test_memory as cpu
 import gc_jax
 from benchmarks import common
 
+pytestmark = pytest.mark.slow  # the TPU compiler: out of the fast lane (docs/development.md)
+
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compile-only users
 
 

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two processes: out of the fast lane (docs/development.md)
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
 

@@ -159,3 +159,71 @@ def test_block_size_must_be_a_positive_int(bad):
     x = jnp.ones((1, 16, HEADS, DIM))
     with pytest.raises(TypeError, match=r"attention\(block_size=\.\.\.\) must be a positive int"):
         packing.attention(x, x, x, chunk, implementation="blocked", block_size=bad)
+
+
+# --- Each packing helper names a chunk or an array that does not fit (issue 47, item 5) ---
+
+PACKED = packed_chunk([[4, 4], [8]], 16)
+UNPACKED = {"attention_mask": PACKED["attention_mask"]}
+WRONG = {"lines": (3, 16), "length": (2, 8)}  # [lines, L] of arrays from another chunk
+FITS = r"the chunk holds 2 lines of 16 tokens .*pass {} computed from this chunk's tokens, \[2, 16"
+
+
+@pytest.mark.parametrize("chunk", [PACKED, UNPACKED], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("wrong", WRONG)
+def test_arrays_of_another_chunk_are_named(chunk, wrong):
+    x = jnp.ones((*WRONG[wrong], HEADS, DIM))
+    with pytest.raises(ValueError, match=r"attention: query has shape .*" + FITS.format("query")):
+        packing.attention(x, x, x, chunk)
+    with pytest.raises(ValueError, match=r"mean_pool: hidden has shape .*" + FITS.format("hidden")):
+        packing.mean_pool(x[..., 0, :], chunk)
+    if packing.is_packed(chunk):
+        with pytest.raises(ValueError, match=r"first_token: hidden .*" + FITS.format("hidden")):
+            packing.first_token(x[..., 0, :], chunk)
+
+
+X = jnp.ones((2, 16, HEADS, DIM))
+CALLS = {
+    "attention": lambda chunk: packing.attention(X, X, X, chunk),
+    "attention_mask": packing.attention_mask,
+    "segment_ids": packing.segment_ids,
+    "mean_pool": lambda chunk: packing.mean_pool(X[..., 0, :], chunk),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_a_chunk_without_its_mask_is_named(name):
+    chunk = {"input_ids": PACKED["segment_ids"], "segment_ids": PACKED["segment_ids"]}
+    keys = r"\(chunk=\.\.\.\) has no 'attention_mask' key \(its keys: \['input_ids', 'segment_ids'"
+    with pytest.raises(ValueError, match=keys + r".*name the key with mask='\.\.\.'"):
+        CALLS[name](chunk)
+    not_a_dict = r"\(chunk=\.\.\.\) must be the dict batch the encoder receives .*\(2, 16\)"
+    with pytest.raises(TypeError, match=not_a_dict):
+        CALLS[name](PACKED["attention_mask"])
+
+
+def test_positions_and_pooling_name_their_missing_key():
+    with pytest.raises(
+        ValueError, match=r"positions\(chunk=\.\.\.\) has no 'input_ids' key.*key='"
+    ):
+        packing.positions(UNPACKED)
+    no_starts = {k: v for k, v in PACKED.items() if k != "segment_starts"}
+    with pytest.raises(ValueError, match=r"mean_pool\(chunk=\.\.\.\) has no 'segment_starts' key"):
+        packing.mean_pool(X[..., 0, :], no_starts)
+    apart = {**PACKED, "segment_ids": PACKED["segment_ids"][:, :8]}
+    shapes = (
+        r"chunk\['segment_ids'\] has shape \(2, 8\) and chunk\['attention_mask'\] shape \(2, 16"
+    )
+    with pytest.raises(ValueError, match=shapes + r".*TokenPacking gives the encoder"):
+        packing.attention_mask(apart)
+
+
+def test_splash_off_tpu_names_the_platform_and_the_fix():
+    """Pallas's own error says only "Only interpret mode is supported on CPU backend"."""
+    chunk = {"attention_mask": jnp.ones((1, 128), jnp.int32)}
+    splash = lambda x: packing.attention(x, x, x, chunk, implementation="splash")
+    fix = (r"splash attention is a Pallas TPU kernel, and this program is compiled for cpu; "
+           r"write implementation=None .* or implementation='xla'")  # fmt: skip
+    for run in (splash, jax.jit(splash), jax.jit(jax.grad(lambda x: jnp.sum(splash(x))))):
+        with pytest.raises(ValueError, match=fix):
+            run(jnp.ones((1, 128, HEADS, DIM)))

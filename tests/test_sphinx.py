@@ -16,6 +16,8 @@ import pytest
 
 import gc_jax
 
+pytestmark = pytest.mark.slow  # the docs build: out of the fast lane (docs/development.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,7 +43,9 @@ def site(tmp_path_factory) -> Path:
 def public_names() -> list[str]:
     """Every public function and class: ``gc_jax.__all__`` and its public modules'."""
     names = []
-    for module in (gc_jax, gc_jax.losses, gc_jax.functional, gc_jax.testing, gc_jax.cachex):
+    modules = (gc_jax, gc_jax.losses, gc_jax.packing, gc_jax.functional, gc_jax.testing,
+               gc_jax.cachex)  # fmt: skip
+    for module in modules:
         exported = getattr(module, "__all__", None) or [
             name
             for name, value in vars(module).items()

@@ -34,8 +34,10 @@ from jax.sharding import PartitionSpec as P
 from test_distributed import while_bodies
 
 import gc_jax
-from gc_jax import cachex
+from gc_jax import cachex, packing
 from gc_jax._chunk_size import compiled_bytes, device_memory
+
+pytestmark = pytest.mark.slow  # the TPU compiler: out of the fast lane (docs/development.md)
 
 MIB = 2**20
 WIDTH, DEPTH, DIM_OUT, CHUNK = 256, 8, 128, 128
@@ -323,3 +325,14 @@ def test_one_gradient_all_reduce_per_step(form):
     assert gradient_all_reduces(many) == 1, f"{gradient_all_reduces(many)} gradient all-reduces"
     # Nor do the step's other all-reduces (the loss's) depend on the number of chunks.
     assert all_reduces(many) == all_reduces(one), (all_reduces(many), all_reduces(one))
+
+
+def test_splash_attention_compiles_for_a_tpu_chip_from_this_host():
+    """``packing.attention(implementation="splash")`` lowers its Pallas kernel for a TPU
+    target though this host's backend is not TPU (the off-TPU error is per platform)."""
+    chunk = {"attention_mask": on_chip((1, 128), jnp.int32),
+             "segment_ids": on_chip((1, 128), jnp.int32)}  # fmt: skip
+    x = on_chip((1, 128, 1, 128), jnp.bfloat16)
+    loss = lambda q, c: jnp.sum(packing.attention(q, q, q, c, implementation="splash"))
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(x, chunk).compile().as_text()
+    assert "tpu_custom_call" in hlo  # the Pallas kernel (the xla form has none)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training.train_state import TrainState
 
 import gc_jax
@@ -572,3 +573,42 @@ def test_integer_param_leaf_gets_no_gradient_chunked_encoder():
         (got[0], got[1]["w"]), (want[0], want[1]["w"]), rtol=1e-5, atol=1e-6
     )
     assert got[1]["n"].dtype == want[1]["n"].dtype == jax.dtypes.float0
+
+
+# --- A key passed positionally, an encoder without the key argument (issue 34) ------------
+
+X = jnp.arange(32.0).reshape(8, 4) / 32
+linear = lambda w, x, key: x @ w
+loss_fn = lambda params, q, d: contrastive_loss(q, d, temperature=0.5)
+
+
+@pytest.mark.parametrize("key", [jax.random.key(0), jax.random.PRNGKey(0)], ids=["typed", "raw"])
+def test_a_key_passed_positionally_names_rng(key):
+    grad_fn = gc_jax.cached_value_and_grad(loss_fn, linear, chunk_size=4)
+    with pytest.raises(TypeError, match=r"inputs\[2\], is a JAX random key.*pass it as rng="):
+        grad_fn(jnp.eye(4), X, X, key)
+    step = gc_jax.make_train_step(loss_fn, linear, 4, optimizer=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"train_step\(state, queries, docs, rng=key\)"):
+        step((jnp.eye(4), optax.sgd(0.1).init(jnp.eye(4))), X, X, key)
+    gc = gc_jax.GradCache([nnx.Linear(4, 4, rngs=nnx.Rngs(0))] * 2, 4, loss_fn=lambda q, d: 0.0)
+    with pytest.raises(TypeError, match=r"gc\(queries, docs, rng=key\)"):
+        gc(X, X, key)
+
+
+def test_an_encoder_without_a_key_names_the_contract():
+    grad_fn = gc_jax.cached_value_and_grad(loss_fn, lambda w, x: x @ w, chunk_size=4)
+    match = r"encode\(params, chunk, key\).*<lambda>\(w, x\).*third argument"
+    with pytest.raises(TypeError, match=match):
+        grad_fn(jnp.eye(4), X, X)
+    with pytest.raises(TypeError, match=match):
+        gc_jax.chunked_encoder(lambda w, x: x @ w, 4)(jnp.eye(4), X)
+
+
+def test_a_type_error_inside_an_encoder_is_its_own():
+    """An encoder that takes the key and fails inside keeps its own error."""
+
+    def encode(w, x, key):
+        raise TypeError("inside the model")
+
+    with pytest.raises(TypeError, match=r"^inside the model"):
+        gc_jax.cached_value_and_grad(loss_fn, encode, chunk_size=4)(jnp.eye(4), X, X)

@@ -14,11 +14,12 @@ The longest bucket always rounds up. Which is cheaper depends on the buckets aft
 bucket that encodes the fewest tokens (a dynamic program over the last bucket that
 rounded up: ``O(buckets)`` vector operations). The same code runs on NumPy arrays,
 for :func:`propose_buckets`; under JAX its loops over the buckets are rolled
-(``fori_loop``), so the compiled plan does not grow with them (unrolled, it was 64
-fusions and 0.8 s of XLA:CPU compile for 5 buckets, per input; rolled, 0.4 s for any
-number). :func:`propose_buckets` scores the plan of each set of buckets it tries by its
-tokens, or by its modelled FLOPs, attention included (:func:`chunk_costs`); the plan
-itself always encodes the fewest tokens for the buckets it is given.
+(``fori_loop``), so the compiled plan does not grow with them (unrolled, its compile
+time grew with the buckets: docs/benchmarks/token_budgets.md, "Token budgets and
+packing on long-tailed lengths"). :func:`propose_buckets` scores the plan of each set
+of buckets it tries by its tokens, or by its modelled FLOPs, attention included
+(:func:`chunk_costs`); the plan itself always encodes the fewest tokens for the
+buckets it is given.
 
 This module is the ``TokenBudget``'s planner (:mod:`gc_jax._chunks.budget`: its plan
 under ``jit``, its ``chunk_counts`` and ``for_lengths`` with NumPy); it knows rows,

@@ -29,6 +29,14 @@ from gc_jax import _chunked_encoder, _layout, _passes, _validation
 from gc_jax._base import PyTree
 from gc_jax.cachex.tree_utils import merge_chunks, tree_unchunk
 
+__all__ = [
+    "cache_grad",
+    "chunk_encode",
+    "grad_cached",
+    "grad_with_cache",
+    "unchunk_args",
+]
+
 Array = jax.Array
 
 

@@ -18,6 +18,10 @@ import jax.numpy as jnp
 from gc_jax import _validation
 from gc_jax.cachex.functional import cache_grad, chunk_encode, unchunk_args
 
+__all__ = [
+    "cache_train_step",
+]
+
 
 def cache_train_step(
     loss_fn: Callable[..., jax.Array],

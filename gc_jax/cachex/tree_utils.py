@@ -26,6 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gc_jax import _layout, _validation
 from gc_jax._base import PyTree
 
+__all__ = [
+    "tree_chunk",
+    "tree_unchunk",
+]
+
 
 def _int_arg(value: Any, name: str) -> int:
     if not _validation._is_int(value):
