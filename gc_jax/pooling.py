@@ -27,6 +27,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+__all__ = ["embed", "l2_normalize", "pool"]
+
 Pooling = Literal["mean", "first", "last"]
 _POOLINGS = ("mean", "first", "last")
 

@@ -1,7 +1,8 @@
 """The public API, name by name and signature by signature, against a checked-in snapshot.
 
 Every public module's ``__all__`` (``gc_jax``, ``gc_jax.losses``, ``gc_jax.packing``,
-``gc_jax.testing``, ``gc_jax.functional``, ``gc_jax.cachex``), each name's kind and call
+``gc_jax.pooling``, ``gc_jax.testing``, ``gc_jax.functional``, ``gc_jax.cachex``), each
+name's kind and call
 signature (``inspect.signature``), and a public class's public methods and properties,
 one per line in ``tests/fixtures/api_snapshot.txt``. A change to the public API (a name
 added, renamed or removed, an argument added, renamed, reordered or given another
@@ -29,6 +30,7 @@ MODULES = (
     "gc_jax",
     "gc_jax.losses",
     "gc_jax.packing",
+    "gc_jax.pooling",
     "gc_jax.testing",
     "gc_jax.functional",
     "gc_jax.cachex",
