@@ -44,6 +44,7 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
 # BENCHMARKS.md and benchmarks/README.md are included whole (docs/benchmarks.md,
 # docs/benchmark_scripts.md), and the benchmark pages (docs/benchmarks/) link the
 # index at the repository root: their links to each other become links between pages.
+# CHANGELOG.md (docs/changelog.md) links pages under docs/ from the repository root.
 _LINKS = {
     "BENCHMARKS.md": {
         "](benchmarks/README.md": "](benchmark_scripts.md",
@@ -54,6 +55,7 @@ _LINKS = {
         "](../docs/benchmarks/": "](benchmarks/",
     },
     "benchmark pages": {"](../../BENCHMARKS.md": "](../benchmarks.md"},
+    "CHANGELOG.md": {"](docs/": "]("},
 }
 
 
