@@ -117,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--settings", nargs="+", help="heldout: only these settings (rows always)")
     add("--min-tokens", type=int, default=2048,
-        help="heldout, *+small settings: for_lengths(min_tokens=...), the smallest chunk")  # fmt: skip
+        help="*+small settings: for_lengths(min_tokens=...), the smallest chunk")  # fmt: skip
     add("--tokens", type=int, default=4096, help="the token budget of a chunk")
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")

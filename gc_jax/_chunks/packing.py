@@ -247,8 +247,8 @@ def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int,
                 attention_width: float | None):  # fmt: skip
     """``cost(widths)``: the mean modelled FLOPs (``spans.chunk_costs``; tokens where
     ``attention_width`` is None) of the chunks of packed lines the step encodes for the
-    batches of ``sample``, rows packed without a limit. The cost of each line length's span of lengths is kept: the fit tries
-    the same spans many times."""
+    batches of ``sample``, rows packed without a limit. The cost of each line length's
+    span of lengths is kept: the fit tries the same spans many times."""
     rows, kept = sample.shape[1], {}
     sample = np.where(sample > 0, sample, padded_length)  # a row without tokens: a line
 
