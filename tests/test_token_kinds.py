@@ -121,6 +121,19 @@ def test_for_lengths_tokens_and_lengths(kind):
         fit([3, 5], 64, PADDED, lengths=3)
 
 
+@kinds
+def test_for_lengths_min_tokens(kind):
+    fit = getattr(gc_jax, kind).for_lengths
+    for value in (0, 1.5, "32"):
+        with raises(kind, TypeError, rf"^{kind}\.for_lengths\(min_tokens=\.\.\.\) must be a pos"):
+            fit([3, 5], 64, PADDED, min_tokens=value)
+    with raises(
+        kind, ValueError, rf"^{kind}\.for_lengths\(min_tokens=\.\.\.\) must be at most tok"
+    ):
+        fit([3, 5], 64, PADDED, min_tokens=128)
+    assert fit([3, 5], 64, PADDED, min_tokens=1).tokens == PADDED  # halvings stop at one row
+
+
 # ------------------------------------------------------- the lengths, at trace time
 
 
