@@ -131,7 +131,8 @@ def test_for_lengths_min_tokens(kind):
         kind, ValueError, rf"^{kind}\.for_lengths\(min_tokens=\.\.\.\) must be at most tok"
     ):
         fit([3, 5], 64, PADDED, min_tokens=128)
-    assert fit([3, 5], 64, PADDED, min_tokens=1).tokens == PADDED  # halvings stop at one row
+    assert PADDED <= fit([3, 5, 9, 16, 2], 64, PADDED, min_tokens=1).tokens < 64  # >= a row
+    assert fit([3, 5], 64, PADDED, min_tokens=1).tokens == 64  # 2 rows: no size costs less
 
 
 # ------------------------------------------------------- the lengths, at trace time
