@@ -131,7 +131,8 @@ class TokenBudget:
             ``min_saving``): where a bucket fills about one chunk (a small batch per
             device), its last chunk is mostly padding rows, and smaller chunks waste
             less of it. ``tokens`` stays the most a chunk holds (memory); pass the
-            smallest chunk that still keeps the device busy.
+            smallest chunk that still keeps the device busy (``min_tokens >= tokens``:
+            chunks of ``tokens``, as ``None``).
 
         Examples:
           >>> import numpy as np, gc_jax
@@ -151,7 +152,7 @@ class TokenBudget:
         token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
         sample = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
         cls(tokens, (padded_length,)).chunk_shapes(padded_length, sample.shape[1])  # checks
-        token_rows.check_min_tokens(min_tokens, tokens, method)
+        token_rows.check_min_tokens(min_tokens, method)
         fit = lambda cost, starts=(): spans.propose_buckets(
             sample, padded_length, max_buckets, multiple, min_saving, cost, starts
         )

@@ -183,7 +183,7 @@ class TokenPacking:
         array = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
         cls(tokens, 2, lengths).chunk_shapes(padded_length, array.shape[1])  # checks
         token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
-        token_rows.check_min_tokens(min_tokens, tokens, method)
+        token_rows.check_min_tokens(min_tokens, method)
 
         def at(size: int) -> tuple[float, tuple[int, tuple[int, ...] | None]]:
             cost, buckets = _lines_cost(array, size, padded_length, attention_width), None

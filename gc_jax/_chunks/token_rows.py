@@ -109,18 +109,11 @@ def check_fit(attention_width: Any, max_buckets: Any, multiple: Any, min_saving:
         raise ValueError(f"{method}(min_saving=...) must be a share in [0, 1), got {min_saving!r}.")
 
 
-def check_min_tokens(min_tokens: Any, tokens: int, method: str) -> None:
-    """``min_tokens`` of a ``for_lengths`` (``method``): None, or a positive int of at
-    most ``tokens`` (the smallest chunk the fit may choose)."""
-    if min_tokens is None:
-        return
-    positive_int(min_tokens, f"{method}(min_tokens=...)")
-    if min_tokens > tokens:
-        raise ValueError(
-            f"{method}(min_tokens=...) must be at most tokens={tokens} (the fit tries "
-            f"tokens, tokens // 2, ... down to min_tokens), got {min_tokens}; pass "
-            f"min_tokens={tokens} for chunks of tokens only, or None."
-        )
+def check_min_tokens(min_tokens: Any, method: str) -> None:
+    """``min_tokens`` of a ``for_lengths`` (``method``): None, or a positive int (the
+    smallest chunk the fit may choose; at least ``tokens`` keeps chunks of ``tokens``)."""
+    if min_tokens is not None:
+        positive_int(min_tokens, f"{method}(min_tokens=...)")
 
 
 def bucket_lengths(buckets: tuple[int, ...], padded_length: int, kind: str) -> tuple[int, ...]:
