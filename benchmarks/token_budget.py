@@ -32,7 +32,8 @@ pairs; the data (``--data``):
   ``fitted+flops+small``, ``packing+small`` and ``packing+flops+small`` are those fits
   with ``min_tokens=--min-tokens`` (2048): the chunk size fitted too, from ``R * L``
   tokens down by halvings (smaller chunks leave less of each bucket's last chunk
-  empty where a bucket fills about one chunk);
+  empty where a bucket fills about one chunk), and ``rows+small``, their control:
+  equal-row chunks of ``--min-tokens`` tokens (``--min-tokens // L`` rows);
 * ``heldout2``: a second held-out shape, fixed before it was measured (the guard
   against tuning to ``heldout``), differing in every respect: a 3-layer encoder of
   width d = 64 (2 heads, feed-forward 256), batch 192, ``R = 24`` rows, queries padded
@@ -318,9 +319,12 @@ def heldout_settings(args, fit, width: int) -> dict:
         ),
     }
     chosen = args.settings or list(makers)
-    if unknown := set(chosen) - set(makers) - {"rows"}:
+    if unknown := set(chosen) - set(makers) - {"rows", "rows+small"}:
         raise SystemExit(f"--settings: unknown {sorted(unknown)}; choose from {list(makers)}")
-    return {"rows": (rows, rows), **{k: per_input(m) for k, m in makers.items() if k in chosen}}
+    out = {"rows": (rows, rows), **{k: per_input(m) for k, m in makers.items() if k in chosen}}
+    if "rows+small" in chosen:  # the control: equal-row chunks of --min-tokens tokens
+        out["rows+small"] = tuple(max(1, args.min_tokens // n) for n in pads)
+    return out
 
 
 def modelled_flops(config, counts, lengths=None) -> float:
