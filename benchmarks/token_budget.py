@@ -29,6 +29,11 @@ pairs; the data (``--data``):
   attention_width=d)``, the buckets fitted to the modelled FLOPs, attention included,
   and ``packing+flops``: ``TokenPacking.for_lengths(sample, R * L, L,
   attention_width=d)``, rows packed into lines of a few lengths fitted the same way;
+  ``fitted+flops+small``, ``packing+small`` and ``packing+flops+small`` are those fits
+  with ``min_tokens=--min-tokens`` (2048): the chunk size fitted too, from ``R * L``
+  tokens down by halvings (smaller chunks leave less of each bucket's last chunk
+  empty where a bucket fills about one chunk), and ``rows+small``, their control:
+  equal-row chunks of ``--min-tokens`` tokens (``--min-tokens // L`` rows);
 * ``heldout2``: a second held-out shape, fixed before it was measured (the guard
   against tuning to ``heldout``), differing in every respect: a 3-layer encoder of
   width d = 64 (2 heads, feed-forward 256), batch 192, ``R = 24`` rows, queries padded
@@ -112,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="heldout: rows R of a chunk, budget R * L (32; heldout2 24, heldout3 28)",
     )
     add("--settings", nargs="+", help="heldout: only these settings (rows always)")
+    add("--min-tokens", type=int, default=2048,
+        help="*+small settings: for_lengths(min_tokens=...), the smallest chunk")  # fmt: skip
     add("--tokens", type=int, default=4096, help="the token budget of a chunk")
     add("--chunk", type=int, help="rows of an equal-row chunk (default: tokens / doc length)")
     add("--max-buckets", type=int, default=5, help="TokenBudget.for_lengths max_buckets")
@@ -288,6 +295,7 @@ def heldout_settings(args, fit, width: int) -> dict:
     the encoder's, for ``fitted+flops``); those of ``--settings`` only, if given."""
     rows, pads = args.chunk_rows, (args.query_length, args.document_length)
     flops = lambda s, tokens, n: gc_jax.TokenBudget.for_lengths(s, tokens, n, attention_width=width)
+    small = {"min_tokens": args.min_tokens}
     samples = [np.stack([b[i]["attention_mask"].sum(-1) for b in fit]) for i in range(2)]
     pow2 = lambda n: tuple(sorted({*(2**k for k in range(4, n.bit_length()) if 2**k < n), n}))
     per_input = lambda make: tuple(make(s, rows * n, n) for s, n in zip(samples, pads, strict=True))
@@ -300,11 +308,23 @@ def heldout_settings(args, fit, width: int) -> dict:
             s, tokens, n, attention_width=width
         ),
         "packing+attention": gc_jax.TokenPacking.for_lengths,
+        "fitted+flops+small": lambda s, tokens, n: gc_jax.TokenBudget.for_lengths(
+            s, tokens, n, attention_width=width, **small
+        ),
+        "packing+small": lambda s, tokens, n: gc_jax.TokenPacking.for_lengths(
+            s, tokens, n, **small
+        ),
+        "packing+flops+small": lambda s, tokens, n: gc_jax.TokenPacking.for_lengths(
+            s, tokens, n, attention_width=width, **small
+        ),
     }
     chosen = args.settings or list(makers)
-    if unknown := set(chosen) - set(makers) - {"rows"}:
+    if unknown := set(chosen) - set(makers) - {"rows", "rows+small"}:
         raise SystemExit(f"--settings: unknown {sorted(unknown)}; choose from {list(makers)}")
-    return {"rows": (rows, rows), **{k: per_input(m) for k, m in makers.items() if k in chosen}}
+    out = {"rows": (rows, rows), **{k: per_input(m) for k, m in makers.items() if k in chosen}}
+    if "rows+small" in chosen:  # the control: equal-row chunks of --min-tokens tokens
+        out["rows+small"] = tuple(max(1, args.min_tokens // n) for n in pads)
+    return out
 
 
 def modelled_flops(config, counts, lengths=None) -> float:

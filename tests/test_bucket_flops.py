@@ -70,16 +70,36 @@ def test_default_fits_the_tokens():
     assert default.buckets == fit(sample, None) == (16, 32, 64)
 
 
+def test_min_tokens_fits_the_chunk_size_too():
+    """At 16 rows a batch each bucket fills about one chunk of 256 tokens: with
+    ``min_tokens`` the fit tries 256, 128 and 64, fits buckets to each, and keeps the
+    size whose buckets cost the fewest modelled FLOPs over the chunks the step plans
+    (counted here from the transformer's matmuls); without it, chunks of ``tokens``."""
+    sample = np.clip(np.random.default_rng(0).lognormal(np.log(14), 0.8, (4, 16)), 1, 64)
+    sample = sample.astype(int)
+    kwargs = {"max_buckets": 3, "multiple": 8, "min_saving": 0.0, "attention_width": 2}
+    own = {t: gc_jax.TokenBudget.for_lengths(sample, t, 64, **kwargs) for t in (256, 128, 64)}
+    flops = {t: transformer_flops(b.buckets, sample, 2, tokens=t) for t, b in own.items()}
+    chosen = gc_jax.TokenBudget.for_lengths(sample, 256, 64, min_tokens=64, **kwargs)
+    assert chosen == own[min(flops, key=flops.get)]
+    assert flops[chosen.tokens] < 0.9 * flops[256]
+    assert gc_jax.TokenBudget.for_lengths(sample, 256, 64, min_tokens=None, **kwargs) == own[256]
+    assert gc_jax.TokenBudget.for_lengths(sample, 256, 64, min_tokens=256, **kwargs) == own[256]
+
+
 def test_flops_budget_matches_full_batch():
-    """A budget fitted with ``attention_width`` is an ordinary budget: the step under
-    ``jit`` is exact against the full padded batch."""
-    q, d = text_batch(64, "lognormal", 51), text_batch(64, "bimodal", 52)
+    """A budget fitted with ``attention_width`` (and one with ``min_tokens``: smaller
+    chunks) is an ordinary budget: the step under ``jit`` is exact against the full
+    padded batch."""
+    q, d = text_batch(16, "lognormal", 51), text_batch(64, "bimodal", 52)
     lengths = lambda x: np.asarray(x["attention_mask"]).sum(1)
     kwargs = {"max_buckets": 3, "multiple": 2, "min_saving": 0.0, "attention_width": 2}
     budgets = tuple(
-        gc_jax.TokenBudget.for_lengths(lengths(x), 48, PADDED, **kwargs) for x in (q, d)
+        gc_jax.TokenBudget.for_lengths(lengths(x), 48, PADDED, min_tokens=m, **kwargs)
+        for x, m in ((q, 16), (d, None))
     )
     assert all(len(b.buckets) > 1 for b in budgets)
+    assert budgets[0].tokens < 48 and budgets[1].tokens == 48
     params, encoders = make_params(), towers(False)
     cached = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, budgets))
     chex.assert_trees_all_close(cached(params, q, d), full_batch(loss_fn, encoders, params, q, d),

@@ -121,6 +121,17 @@ def test_for_lengths_tokens_and_lengths(kind):
         fit([3, 5], 64, PADDED, lengths=3)
 
 
+@kinds
+def test_for_lengths_min_tokens(kind):
+    fit = getattr(gc_jax, kind).for_lengths
+    for value in (0, 1.5, "32"):
+        with raises(kind, TypeError, rf"^{kind}\.for_lengths\(min_tokens=\.\.\.\) must be a pos"):
+            fit([3, 5], 64, PADDED, min_tokens=value)
+    assert fit([3, 5, 9, 16, 2], 64, PADDED, min_tokens=128).tokens == 64  # none tried
+    assert PADDED <= fit([3, 5, 9, 16, 2], 64, PADDED, min_tokens=1).tokens < 64  # >= a row
+    assert fit([16, 16], 64, PADDED, min_tokens=1).tokens == 64  # full rows: none costs less
+
+
 # ------------------------------------------------------- the lengths, at trace time
 
 

@@ -626,3 +626,22 @@ def test_for_lengths_fits_line_lengths_to_the_modelled_flops():
     assert gc_jax.TokenPacking.for_lengths(sample, 1024, 128).buckets is None
     with pytest.raises(ValueError, match=r"for_lengths\(attention_width=\.\.\.\) must be a pos"):
         gc_jax.TokenPacking.for_lengths(sample, 1024, 128, attention_width=-1.0)
+
+
+def test_for_lengths_fits_the_chunk_size_with_min_tokens():
+    """At 12 rows a batch a chunk of 8 lines is mostly empty lines: with ``min_tokens``
+    the fit keeps the chunk size (of 128, 64, 32 tokens) whose chunks cost least, one
+    line length or fitted ones; the step with lines of a few lengths in chunks of one
+    line each is exact against the full padded batch."""
+    q, d = text_batch(12, "lognormal", 30, lang=True), text_batch(12, "lognormal", 31)
+    sample = np.stack([lengths_of(q), lengths_of(d)])
+    cost = lambda t: token_packing._lines_cost(sample, t, PADDED, None)((PADDED,))
+    fitted = gc_jax.TokenPacking.for_lengths(sample, 128, PADDED, min_tokens=32, min_saving=0)
+    assert fitted.tokens == min((128, 64, 32), key=cost) and cost(fitted.tokens) < cost(128)
+    assert gc_jax.TokenPacking.for_lengths(sample, 128, PADDED).tokens == 128
+    lines = gc_jax.TokenPacking.for_lengths(sample, 128, PADDED, attention_width=1, min_tokens=16)
+    assert lines.tokens == PADDED and lines.buckets is not None
+    params, encoders = make_params(), towers()
+    grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, lines))
+    chex.assert_trees_all_close(grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d),
+                                **TOL)  # fmt: skip

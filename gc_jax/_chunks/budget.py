@@ -90,7 +90,7 @@ class TokenBudget:
     def for_lengths(
         cls, sample: Any, tokens: int, padded_length: int, *, max_buckets: int = 5,
         multiple: int = 8, min_saving: float = 0.01, lengths: Any = MASK,
-        attention_width: float | None = None,
+        attention_width: float | None = None, min_tokens: int | None = None,
     ) -> TokenBudget:  # fmt: skip
         """A budget whose buckets encode the fewest tokens (or FLOPs) for batches like ``sample``.
 
@@ -124,6 +124,15 @@ class TokenBudget:
             tokens. For a feed-forward of width ``f`` other than ``4 d``, pass ``(2 d +
             f) / 6`` (dense ``8 d^2 + 4 d f`` against attention ``4 d n``); any positive
             number: larger weighs attention less.
+          min_tokens: ``None`` (default): chunks of ``tokens``. Else the fit also tries
+            chunks of ``tokens // 2``, ``tokens // 4``, ... down to ``min_tokens`` (and
+            one row of ``padded_length``), fitting buckets to each, and keeps the
+            size whose plan is cheapest (a smaller one only where it saves
+            ``min_saving``): where a bucket fills about one chunk (a small batch per
+            device), its last chunk is mostly padding rows, and smaller chunks waste
+            less of it. ``tokens`` stays the most a chunk holds (memory); pass the
+            smallest chunk that still keeps the device busy (``min_tokens >= tokens``:
+            chunks of ``tokens``, as ``None``).
 
         Examples:
           >>> import numpy as np, gc_jax
@@ -135,19 +144,27 @@ class TokenBudget:
           (48, 112, 256)
           >>> gc_jax.TokenBudget.for_lengths(sample, 8192, 256, attention_width=64).buckets
           (24, 48, 80, 112, 256)
+          >>> small = gc_jax.TokenBudget.for_lengths(sample, 8192, 256, min_tokens=1024)
+          >>> small.tokens, small.buckets  # smaller chunks: less of each last one empty
+          (1024, (24, 48, 88, 136, 256))
         """
         method = f"{cls.__name__}.for_lengths"
         token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
         sample = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
         cls(tokens, (padded_length,)).chunk_shapes(padded_length, sample.shape[1])  # checks
+        token_rows.check_min_tokens(min_tokens, method)
         fit = lambda cost, starts=(): spans.propose_buckets(
             sample, padded_length, max_buckets, multiple, min_saving, cost, starts
         )
-        tokens_fitted = fit(spans.budget_cost(sample, tokens))
-        buckets = tokens_fitted
-        if attention_width is not None:  # the tokens' buckets: a start greedy steps can miss
-            buckets = fit(spans.budget_cost(sample, tokens, attention_width), (tokens_fitted,))
-        return cls(tokens, buckets, lengths)
+
+        def at(size: int) -> tuple[float, TokenBudget]:
+            tokens_fitted = fit(spans.budget_cost(sample, size))
+            buckets, cost = tokens_fitted, spans.budget_cost(sample, size, attention_width)
+            if attention_width is not None:  # the tokens' buckets: a start greedy steps miss
+                buckets = fit(cost, (tokens_fitted,))
+            return cost(buckets), cls(size, buckets, lengths)
+
+        return spans.fit_chunk_tokens(tokens, min_tokens, padded_length, min_saving, at)
 
     def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
         """The buckets a batch padded to ``padded_length`` tokens uses (the last is it)."""

@@ -130,7 +130,7 @@ class TokenPacking:
     def for_lengths(
         cls, sample: Any, tokens: int, padded_length: int, *, lengths: Any = MASK,
         attention_width: float | None = None, max_buckets: int = 5, multiple: int = 8,
-        min_saving: float = 0.01,
+        min_saving: float = 0.01, min_tokens: int | None = None,
     ) -> TokenPacking:  # fmt: skip
         """A packing for batches like ``sample``: its line lengths and ``segments``.
 
@@ -160,6 +160,12 @@ class TokenPacking:
           multiple: every line length but ``padded_length`` is a multiple of it.
           min_saving: the share of the modelled FLOPs a line length must save to be
             added.
+          min_tokens: ``None`` (default): chunks of ``tokens``. Else the fit also tries
+            chunks of ``tokens // 2``, ``tokens // 4``, ... down to ``min_tokens`` (and
+            one line of ``padded_length``), and keeps the size whose chunks cost least
+            (tokens, or the modelled FLOPs with ``attention_width``; a smaller size
+            only where it saves ``min_saving``), as ``TokenBudget.for_lengths``: where
+            a line length fills about one chunk, its last chunk is mostly empty lines.
 
         Examples:
           >>> import numpy as np, gc_jax
@@ -170,20 +176,27 @@ class TokenPacking:
           >>> packing = gc_jax.TokenPacking.for_lengths(sample, 4096, 256, attention_width=32)
           >>> packing.buckets, packing.segments
           ((40, 256), 4)
+          >>> gc_jax.TokenPacking.for_lengths(sample, 8192, 256, min_tokens=1024).tokens
+          1024
         """
         method = f"{cls.__name__}.for_lengths"
         array = token_rows.checked_lengths(sample, padded_length, method, "sample", "batches")
         cls(tokens, 2, lengths).chunk_shapes(padded_length, array.shape[1])  # checks
-        buckets = None
-        if attention_width is not None:
-            token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
-            cost = _lines_cost(array, tokens, padded_length, attention_width)
-            found = spans.propose_buckets(array, padded_length, max_buckets, multiple,
-                                          min_saving, cost)  # fmt: skip
-            buckets = found if len(found) > 1 else None
+        token_rows.check_fit(attention_width, max_buckets, multiple, min_saving, method)
+        token_rows.check_min_tokens(min_tokens, method)
+
+        def at(size: int) -> tuple[float, tuple[int, tuple[int, ...] | None]]:
+            cost, buckets = _lines_cost(array, size, padded_length, attention_width), None
+            if attention_width is not None:
+                found = spans.propose_buckets(array, padded_length, max_buckets, multiple,
+                                              min_saving, cost)  # fmt: skip
+                buckets = found if len(found) > 1 else None
+            return cost(buckets or (padded_length,)), (size, buckets)
+
+        size, buckets = spans.fit_chunk_tokens(tokens, min_tokens, padded_length, min_saving, at)
         widths = (padded_length,) if buckets is None else buckets
         most = max(len(line) for row in array for b in lines_by_bucket(row, widths) for line in b)
-        return cls(tokens, max(most, 2), lengths, buckets)
+        return cls(size, max(most, 2), lengths, buckets)
 
     def bucket_lengths(self, padded_length: int) -> tuple[int, ...]:
         """The line lengths a batch padded to ``padded_length`` tokens uses (the last is
@@ -230,11 +243,12 @@ def lines_by_bucket(lengths: Any, widths: tuple[int, ...], segments: int | None 
     return [pack_lines(lengths[bucket == c], n, segments or n) for c, n in enumerate(widths)]
 
 
-def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int, attention_width: float):
-    """``cost(widths)``: the mean modelled FLOPs (``spans.chunk_costs``) of the chunks of
-    packed lines the step encodes for the batches of ``sample``, rows packed without
-    a limit. The cost of each line length's span of lengths is kept: the fit tries
-    the same spans many times."""
+def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int,
+                attention_width: float | None):  # fmt: skip
+    """``cost(widths)``: the mean modelled FLOPs (``spans.chunk_costs``; tokens where
+    ``attention_width`` is None) of the chunks of packed lines the step encodes for the
+    batches of ``sample``, rows packed without a limit. The cost of each line length's
+    span of lengths is kept: the fit tries the same spans many times."""
     rows, kept = sample.shape[1], {}
     sample = np.where(sample > 0, sample, padded_length)  # a row without tokens: a line
 

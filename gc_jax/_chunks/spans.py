@@ -190,6 +190,32 @@ def propose_buckets(lengths: np.ndarray, padded_length: int, max_buckets: int, m
     return min(_refined(start, candidates, cost) for start in starts)[1]
 
 
+def fit_chunk_tokens(tokens: int, min_tokens: int | None, padded_length: int,
+                     min_saving: float, fit) -> Any:  # fmt: skip
+    """The fit of the chunk size whose plan is cheapest: ``fit(t) -> (cost, config)`` at
+    ``tokens`` and at its halvings ``tokens // 2``, ``tokens // 4``, ... down to
+    ``min_tokens`` (none where it is None) and at least ``padded_length`` (one row or
+    line), a smaller size kept only where it costs ``min_saving`` less than the best so
+    far. Smaller chunks leave less of each bucket's last chunk empty, which pays where
+    a bucket fills about one chunk (small batches per device).
+
+    Examples:
+      >>> fit = lambda t: (1000 + t / 4, t)  # a partial chunk's waste grows with t
+      >>> fit_chunk_tokens(4096, 1024, 512, 0.01, fit)
+      1024
+      >>> fit_chunk_tokens(4096, None, 512, 0.01, fit)  # no smaller chunk allowed
+      4096
+    """
+    best_cost, best = fit(tokens)
+    size = tokens // 2
+    while min_tokens is not None and size >= max(min_tokens, padded_length):
+        cost, found = fit(size)
+        if cost < best_cost * (1 - min_saving):
+            best_cost, best = cost, found
+        size //= 2
+    return best
+
+
 def _with_each(buckets: tuple[int, ...], candidates: list[int]) -> list[tuple[int, ...]]:
     return [tuple(sorted({*buckets, n})) for n in candidates if n not in buckets]
 

@@ -109,6 +109,13 @@ def check_fit(attention_width: Any, max_buckets: Any, multiple: Any, min_saving:
         raise ValueError(f"{method}(min_saving=...) must be a share in [0, 1), got {min_saving!r}.")
 
 
+def check_min_tokens(min_tokens: Any, method: str) -> None:
+    """``min_tokens`` of a ``for_lengths`` (``method``): None, or a positive int (the
+    smallest chunk the fit may choose; at least ``tokens`` keeps chunks of ``tokens``)."""
+    if min_tokens is not None:
+        positive_int(min_tokens, f"{method}(min_tokens=...)")
+
+
 def bucket_lengths(buckets: tuple[int, ...], padded_length: int, kind: str) -> tuple[int, ...]:
     """The buckets a batch padded to ``padded_length`` tokens uses (the last is it), or
     a ValueError where a row may be longer than every bucket of the ``kind``."""
