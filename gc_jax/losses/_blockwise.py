@@ -158,7 +158,8 @@ def backward(
     *,
     score: Score = Dot,
 ) -> tuple[Any, Any, Scalar, Scalar]:
-    """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile.
+    """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile
+    (and of the hardness strength last, with a rule's ``hardness``).
 
     Two sweeps recompute every tile's ``dz``: one over query blocks sums each block's
     ``dx`` (and the scalars' gradients) over the key blocks, one over key blocks sums
@@ -183,10 +184,10 @@ def backward(
     # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
     # arrays (x, dx, ys/dy), not four.
     dx_buf = _tiles.varying_like(score.leaf(x), x, ys)
-    dx, dscale, dbias = sweeps.query_sweep(dx_buf, add=False)
+    dx, *scalars = sweeps.query_sweep(dx_buf, add=False)
     dy_buf = _tiles.varying_like(score.leaf(ys), x, ys)
-    dy = sweeps.key_sweep(dy_buf, zero_after(dscale), add=False)
-    return dx, dy, dscale, dbias
+    dy = sweeps.key_sweep(dy_buf, zero_after(scalars[0]), add=False)
+    return dx, dy, *scalars
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -100,7 +100,7 @@ def contrastive_loss(
         devices; no gradient reaches them), or None.
       margin_strategy: ``"absolute"`` or ``"relative"`` (with ``guide``).
       margin: the guide's margin (with ``guide``; ``0``: drop what it scores above
-        the positive).
+        the positive). It only moves the guide's thresholds: no gradient reaches it.
       docs_per_query: ``k``, the rows of ``y`` per query (default ``len(y) //
         len(x)``). Required, when ``k > 1``, under ``pmap`` and
         ``shard_map(check_vma=False)``, where this device's documents cannot be told
@@ -112,7 +112,9 @@ def contrastive_loss(
         query's documents) or ``"all_negatives"`` (every document but the positive),
         in ``query_to_doc`` only; or None.
       hardness_strength: ``alpha`` above, ``>= 0`` (EmbeddingGemma uses 5 with hard
-        negatives; Lan et al. 2025 use 9 in batch).
+        negatives; Lan et al. 2025 use 9 in batch). May be a traced parameter, which
+        is differentiated (``s_raw`` is not) but cannot be checked: a traced strength
+        needs ``hardness_mode`` (without one it raises rather than be ignored).
       bank: a :class:`Bank` of earlier steps' queries and documents (ContAccum, MoCo),
         extra negatives without gradient: ``query_to_doc`` and ``doc_to_doc`` also
         sum over the bank's documents, ``query_to_query`` and ``doc_to_query`` over
@@ -215,6 +217,7 @@ def contrastive_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=True)
+    _options.real_scalar(temperature, "temperature")
     k = _common.docs_per_query(len(x), len(y), docs_per_query, axis_name)
     options = _options.Options(
         _options.check_directions(directions, partition_mode),

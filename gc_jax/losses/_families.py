@@ -114,42 +114,65 @@ def forward(spec, block, sides, scale, meta) -> tuple[jax.Array, tuple]:
     return sum(losses) / spec.groups, stats
 
 
-def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar]:
-    """Cotangents of ``sides`` and ``scale``, every family's added into one buffer per side."""
+def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar, Any]:
+    """Cotangents of ``sides``, ``scale`` and the hardness strength (None without
+    hardness), every family's added into one buffer per side."""
     zero = jnp.zeros((), scale.dtype)
     g = g / spec.groups
     grads: dict[str, Any] = dict.fromkeys(sides)
-    dscale = zero
+    dscale, dalpha = zero, None
     for fam in spec.families:
         rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
         args = (Softmax, block, rows, sides[cols_key], _targets(fam, meta), scale, zero)
         args = (*args, stats[fam.group], g, _mask(fam, meta))
         if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
-            grads, ds = _add_rows(fam, args, grads, sides, spec.k)
+            grads, (ds, _, *da) = _add_rows(fam, args, grads, sides, spec.k)
         elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
-            dx, dcols, ds, _ = _blockwise.backward(*args)
+            dx, dcols, ds, _, *da = _blockwise.backward(*args)
             grads["x"], grads[cols_key] = dx, dcols
         else:
-            grads, ds = _add_family(fam, args, grads, sides, cols_key, spec.k)
+            grads, (ds, _, *da) = _add_family(fam, args, grads, sides, cols_key, spec.k)
         dscale = dscale + ds
-    return grads, dscale
+        dalpha = add_alpha(dalpha, da)
+    return grads, dscale, dalpha
+
+
+def add_alpha(dalpha: Any, more: list) -> Any:
+    """``dalpha`` plus one family's (``more``: empty without hardness); None: none yet."""
+    if not more:
+        return dalpha
+    return more[0] if dalpha is None else dalpha + more[0]
+
+
+def alpha_cotangent(meta: dict, dalpha: Any) -> Any:
+    """The cotangent of ``meta``: None, but the hardness strength's ``dalpha``.
+
+    The strength sits in both rows' metadata (queries' and positives'); only the
+    queries' families boost logits, so its whole gradient goes there."""
+    if dalpha is None:
+        return None
+    cotangent = jax.tree.map(lambda _: None, meta)
+    alpha = meta["rows"]["x"]["alpha"]
+    cotangent["rows"]["x"]["alpha"] = dalpha.astype(alpha.dtype)
+    return cotangent
 
 
 def _add_family(fam, args, grads, sides, cols_key, k):
-    """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new)."""
+    """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new);
+    returns ``grads`` and the scalars' (``_sweeps.Sweeps.query_sweep``)."""
     for key in ("y" if fam.rows == "p" else "x", cols_key):
         if grads[key] is None:
             grads[key] = _zeros_of(sides[key], *sides.values())
     row_key = "x" if fam.rows == "x" else "y"
     row_buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
     same = row_key == cols_key  # rows and columns are rows of one array
-    row_buf, col_buf, dscale, _ = _blockwise.backward(
+    row_buf, col_buf, *scalars = _blockwise.backward(
         *args, into=(row_buf, None if same else grads[cols_key])
     )
     grads[row_key] = row_buf.array if isinstance(row_buf, Firsts) else row_buf
     if not same:
         grads[cols_key] = col_buf
-    return grads, dscale
+    return grads, scalars
 
 
 def _add_rows(fam, args, grads, sides, k):
@@ -158,9 +181,9 @@ def _add_rows(fam, args, grads, sides, k):
     if grads[row_key] is None:
         grads[row_key] = _zeros_of(sides[row_key], *sides.values())
     buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
-    buf, dscale, _ = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
+    buf, *scalars = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
     grads[row_key] = buf.array if isinstance(buf, Firsts) else buf
-    return grads, dscale
+    return grads, scalars
 
 
 def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
@@ -185,8 +208,8 @@ def _rowwise_fwd(spec, block, sides, scale, meta):
 
 def _rowwise_bwd(spec, block, res, g):
     sides, scale, meta, stats = res
-    grads, dscale = backward(spec, block, sides, scale, meta, stats, g)
-    return grads, dscale, None
+    grads, dscale, dalpha = backward(spec, block, sides, scale, meta, stats, g)
+    return grads, dscale, alpha_cotangent(meta, dalpha)
 
 
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
@@ -202,4 +225,14 @@ def blockwise(spec: Spec, block: int, sides: dict, scale: Any, meta: dict) -> ja
     acc = _blockwise.accumulation_dtype(*(v for v in sides.values() if v is not None), scale)
     arrays = [v for v in sides.values() if v is not None]
     scale = _tiles.varying_like(jnp.asarray(scale, acc), *arrays)
+    if "alpha" in meta["rows"]["x"]:  # differentiated like scale: varying like the rows
+        meta = vary_alpha(meta, *arrays)
     return _rowwise(spec, block, sides, scale, meta)
+
+
+def vary_alpha(meta: dict, *arrays: Any) -> dict:
+    """``meta`` with the hardness strength cast to vary like ``arrays`` (its cotangent,
+    summed over this device's rows, is then summed over devices as ``scale``'s is)."""
+    alpha = _tiles.varying_like(meta["rows"]["x"]["alpha"], *arrays)
+    rows = {side: {**m, "alpha": alpha} for side, m in meta["rows"].items()}
+    return {**meta, "rows": rows}

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _common, _docs, _ring
+from gc_jax.losses import _blockwise, _common, _docs, _options, _ring
 from gc_jax.losses._scores import MaxSim, Side
 from gc_jax.losses._strategies import Softmax
 
@@ -94,6 +94,7 @@ def maxsim_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _check_tokens(q, d)
+    _options.real_scalar(temperature, "temperature")
     k = _common.docs_per_query(len(q), len(d), docs_per_query, axis_name, names=("q", "d"))
     x = Side(q, _mask(q_mask, q, "q_mask", "q"))
     y = Side(d, _mask(d_mask, d, "d_mask", "d"))

@@ -131,16 +131,38 @@ def check_guide(guide: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.
     return tuple(jax.lax.stop_gradient(g) for g in guide)
 
 
+def real_scalar(value: Any, name: str) -> float | None:
+    """``value``'s float if it is known now (a Python or NumPy number, or a concrete
+    ``jax.Array``), None if it is traced; raises unless a real scalar."""
+    if isinstance(value, bool) or np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a real scalar, got {value!r}.")
+    dtype = getattr(value, "dtype", None)
+    real = lambda t: jnp.issubdtype(t, jnp.floating) or jnp.issubdtype(t, jnp.integer)
+    if dtype is not None and not real(dtype):
+        raise TypeError(f"{name} must be a real scalar, got one of dtype {dtype}.")
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if not np.isreal(value):
+        raise TypeError(f"{name} must be a real scalar, got {value!r}.")
+    return float(np.real(value))
+
+
 def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
-    """The guide's margin (a real scalar); raises if it is set without a guide."""
+    """The guide's margin (a real scalar, no gradient); raises if set without a guide.
+
+    It only moves the guide's thresholds, whose comparisons have a zero derivative:
+    ``stop_gradient`` says so. A traced margin without a guide raises (its value,
+    unknown here, decides whether it was set): pass a Python float.
+    """
     if strategy not in MARGIN_STRATEGIES:
         raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {strategy!r}.")
-    if isinstance(margin, bool) or np.ndim(margin) != 0:
-        raise TypeError(f"margin must be a real scalar, got {margin!r}.")
-    if not isinstance(margin, jax.Array) and not np.isreal(margin):
-        raise TypeError(f"margin must be a real scalar, got {margin!r}.")
-    margin_set = not isinstance(margin, jax.Array) and margin != 0
-    if guide is None and (strategy != "absolute" or margin_set):
+    value = real_scalar(margin, "margin")
+    if guide is None and value is None:
+        raise TypeError(
+            "margin is traced, and without a guide it must be 0 (a traced value cannot be "
+            "checked): pass guide=(guide_x, guide_y) too, or a Python float margin."
+        )
+    if guide is None and (strategy != "absolute" or value != 0):
         raise ValueError(
             "margin and margin_strategy filter negatives by a guide's scores: pass "
             "guide=(guide_x, guide_y) too, or leave them at their defaults."
@@ -149,20 +171,28 @@ def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
 
 
 def check_hardness(mode: Any, strength: Any) -> Any:
-    """The hardness strength (a scalar, no gradient); raises on a mode it does not know."""
+    """The hardness strength (a real scalar, differentiable); raises on a mode it does
+    not know, a negative strength, or one set without a mode.
+
+    A concrete ``jax.Array`` is checked as a float is; a traced one is not checked for
+    ``>= 0``, and raises without a mode (its value would decide whether it is ignored).
+    """
     if mode is not None and mode not in HARDNESS_MODES:
         raise ValueError(f"hardness_mode must be None or one of {HARDNESS_MODES}, got {mode!r}.")
-    if isinstance(strength, bool) or np.ndim(strength) != 0:
-        raise TypeError(f"hardness_strength must be a real scalar, got {strength!r}.")
-    if not isinstance(strength, jax.Array):
-        if not np.isreal(strength) or strength < 0:
-            raise ValueError(f"hardness_strength must be >= 0, got {strength!r}.")
-        if mode is None and strength != 0:
-            raise ValueError(
-                f"hardness_strength={strength!r} weights the negatives hardness_mode names: "
-                f"pass hardness_mode= too, one of {HARDNESS_MODES}."
-            )
-    return jax.lax.stop_gradient(jnp.asarray(strength, float))
+    value = real_scalar(strength, "hardness_strength")
+    if value is None and mode is None:
+        raise TypeError(
+            "hardness_strength is traced and hardness_mode is None, which ignores it: pass "
+            f"hardness_mode= too, one of {HARDNESS_MODES}, or a Python float strength."
+        )
+    if value is not None and value < 0:
+        raise ValueError(f"hardness_strength must be >= 0, got {strength!r}.")
+    if mode is None and value != 0:
+        raise ValueError(
+            f"hardness_strength={strength!r} weights the negatives hardness_mode names: "
+            f"pass hardness_mode= too, one of {HARDNESS_MODES}."
+        )
+    return jnp.asarray(strength, float)
 
 
 def spec(options: Options, k: int) -> Spec:

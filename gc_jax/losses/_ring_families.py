@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses import _bank, _blockwise, _options, _sweeps, _tiles
+from gc_jax.losses import _bank, _blockwise, _families, _options, _sweeps, _tiles
 from gc_jax.losses._families import Spec
 from gc_jax.losses._masks import Mask
 from gc_jax.losses._order import after, after_on_cpu
@@ -72,24 +72,27 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
     acc = scale.dtype
     zero, g = jnp.zeros((), acc), g / spec.groups
     x, y = sides["x"], sides["y"]
+    boosts = any(f.rule.hardness is not None for f in spec.families)
     state = (_tiles.zeros(x, acc, x, y), _tiles.zeros(y, acc, x, y), zero)
+    state += (zero,) if boosts else ()  # the hardness strength's gradient
     passes = _passes(spec)
     for n, side in enumerate(passes):
 
         def visit(here, col_acc, state, own, side=side):
             reps, cols_meta = here
-            dx, dy, dscale = state
+            dx, dy, dscale, *dalpha = state
             for fam in (f for f in spec.families if f.cols == side):
                 targets = meta["targets"].get(fam.target) if own else None
                 mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
                 buf = dx if fam.rows == "x" else Firsts(dy, spec.k)
-                buf, col_acc, ds, _ = _blockwise.backward(
+                buf, col_acc, ds, _, *da = _blockwise.backward(
                     Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
                     stats[fam.group], g, mask, into=(buf, col_acc),
                 )  # fmt: skip
                 dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
                 dscale = dscale + ds
-            return col_acc, (dx, dy, dscale)
+                dalpha = [a + b for a, b in zip(dalpha, da, strict=False)] if da else dalpha
+            return col_acc, (dx, dy, dscale, *dalpha)
 
         here = (sides[side], meta["cols"][side])
         if n:  # the next ring starts once the one before is done (its gradient home)
@@ -105,19 +108,20 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
             continue
         home, state = around_back(visit, here, _tiles.zeros(sides[side], acc, x, y), state,
                                    axis_name)  # fmt: skip
-        dx, dy, dscale = state
-        state = (dx + home, dy, dscale) if side == "x" else (dx, dy + home, dscale)
-    dx, dy, dscale = state
-    dx, dscale = after((dx, dscale), dy)  # every ppermute before the scalars' psum
-    dscale = after(dscale, dx)
+        dx, dy, *scalars = state
+        state = (dx + home, dy, *scalars) if side == "x" else (dx, dy + home, *scalars)
+    dx, dy, dscale, *dalpha = state
+    dx, dscale, dalpha = after((dx, dscale, dalpha), dy)  # every ppermute before the psums
+    dscale, dalpha = after((dscale, dalpha), dx)
     grads = dict.fromkeys(sides)  # a bank's columns: None, no gradient
-    return grads | {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}, dscale
+    grads |= {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}
+    return grads, dscale, dalpha[0] if dalpha else None
 
 
 def _bank_visit(spec, block, sides, scale, meta, stats, g, side, here, state, own):
     """The rows' gradients against one travelling block of a bank (no gradient of its own)."""
     reps, cols_meta = here
-    dx, dy, dscale = state
+    dx, dy, dscale, *dalpha = state
     zero = jnp.zeros((), scale.dtype)
     for fam in (f for f in spec.families if f.cols == side):
         mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
@@ -125,10 +129,12 @@ def _bank_visit(spec, block, sides, scale, meta, stats, g, side, here, state, ow
         sweeps = _sweeps.Sweeps(
             Softmax, block, rows, reps, None, scale, zero, stats[fam.group], g, mask
         )
-        buf, ds, _ = sweeps.query_sweep(dx if fam.rows == "x" else Firsts(dy, spec.k), add=True)
+        buf, ds, _, *da = sweeps.query_sweep(dx if fam.rows == "x" else Firsts(dy, spec.k),
+                                             add=True)  # fmt: skip
         dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
         dscale = dscale + ds
-    return dx, dy, dscale
+        dalpha = [a + b for a, b in zip(dalpha, da, strict=False)] if da else dalpha
+    return dx, dy, dscale, *dalpha
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -143,8 +149,8 @@ def _rowwise_fwd(spec, block, axis_name, sides, scale, meta):
 
 def _rowwise_bwd(spec, block, axis_name, res, g):
     sides, scale, meta, stats = res
-    grads, dscale = _backward(spec, block, axis_name, sides, scale, meta, stats, g)
-    return grads, dscale, None
+    grads, dscale, dalpha = _backward(spec, block, axis_name, sides, scale, meta, stats, g)
+    return grads, dscale, _families.alpha_cotangent(meta, dalpha)
 
 
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)

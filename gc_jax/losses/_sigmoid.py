@@ -77,6 +77,8 @@ def sigmoid_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=False)
+    _options.real_scalar(logit_scale, "logit_scale")
+    _options.real_scalar(logit_bias, "logit_bias")
     ids = {
         "qid": _options.check_ids(query_ids, len(x), "query_ids", "x"),
         "pid": _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
