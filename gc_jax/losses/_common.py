@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _masks, _ring, _strategies, _tiles
+from gc_jax.losses import _blockwise, _options, _ring, _strategies, _tiles
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -142,20 +142,23 @@ def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring, ids=None) -> j
 
     ``ids``: ``{"qid": query ids or None, "pid": document ids or None}`` (``[rows, w]``,
     split like ``x`` and ``y``): a pair whose ids match, other than a row's positive, is
-    dropped (``_masks.Rule``)."""
+    dropped (``_options.id_mask``)."""
     n = x.shape[0]
-    ids = {key: v for key, v in (ids or {}).items() if v is not None}
+    ids = _options.Options(query_ids=(ids or {}).get("qid"), doc_ids=(ids or {}).get("pid"))
     if ring:
         block = block_size or max(n, y.shape[0])  # dense: one tile per travelling block
-        mask = _id_mask(ids, k, _offset(n, axis_name), lambda v: v)
+        offset = _offset(n, axis_name)
+        mask = _options.id_mask(ids, k, offset, offset)
         targets = jnp.arange(n) * k
         return _ring.rows(kind, x, y, targets, scale, bias, block, axis_name, mask=mask)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
-    whole = lambda v: _layout.reshard_typed(v, P())
-    cols = (lambda v: _gather(v, axis_name)) if axis_name is not None else whole
-    rows_ids = ids if axis_name is not None else {key: whole(v) for key, v in ids.items()}
-    mask = _id_mask(rows_ids, k, _offset(n, axis_name), cols, col_offset=0)
+    if axis_name is None:  # jit over a mesh: every array whole
+        whole = lambda v: _layout.reshard_typed(v, P())
+        ids, cols = ids.map_arrays(whole), None
+    else:
+        cols = ids.map_arrays(lambda v: _gather(v, axis_name))
+    mask = _options.id_mask(ids, k, _offset(n, axis_name), 0, cols)
     x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
         return _blockwise.call(kind, x, ys, targets, scale, bias, block_size, mask=mask)
@@ -176,26 +179,6 @@ def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring, ids=None) -> j
 def _offset(rows: int, axis_name: AxisName | None) -> Any:
     """The global index of this device's first row (0 without ``axis_name``)."""
     return 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
-
-
-def _id_mask(ids: dict, k: int, offset: Any, cols: Callable, col_offset: Any = None):
-    """``(rule, rows_meta, cols_meta)`` dropping pairs whose ids match, or None.
-
-    ``cols`` makes the columns' ids from this device's (a gather, or nothing on the
-    ring, where they travel); ``col_offset``: the global index of their first query
-    (default: this device's, ``offset``)."""
-    if not ids:
-        return None
-    col_offset = offset if col_offset is None else col_offset
-    rule = _masks.Rule(protect="first", docs=True, k=k)
-    rows_meta, cols_meta = {"offset": offset}, {"offset": col_offset * k}
-    if "pid" in ids:
-        rows_meta["pid"] = _tiles.Firsts(ids["pid"], k) if k > 1 else ids["pid"]
-        cols_meta["pid"] = cols(ids["pid"])
-    if "qid" in ids:
-        rows_meta["qid"] = ids["qid"]
-        cols_meta["qid"] = _tiles.Repeated(cols(ids["qid"]), k) if k > 1 else cols(ids["qid"])
-    return _masks.Mask(rule, rows_meta, cols_meta)
 
 
 def _dense_keep(mask: tuple, n: int, m: int) -> jax.Array:

@@ -17,7 +17,7 @@ import numpy as np
 
 from gc_jax import _narrow
 from gc_jax.losses._families import Family, Spec
-from gc_jax.losses._masks import Rule
+from gc_jax.losses._masks import Mask, Rule
 from gc_jax.losses._tiles import Firsts, Repeated
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -275,6 +275,19 @@ def metadata(
         col_x["g"], col_y["g"] = cols.guide
     used = {f.cols for f in spec.families}
     return {"rows": rows, "cols": {s: c for s, c in (("x", col_x), ("y", col_y)) if s in used}}
+
+
+def id_mask(options: Options, k: int, offset: Any, col_offset: Any, cols=None) -> Mask | None:
+    """The pairs the ids of ``options`` keep, queries ``x`` against documents ``y``
+    (``query_to_doc``'s rule and :func:`metadata`), or None without ids.
+
+    For the losses of one family of logits (``sigmoid_loss``); arguments as for
+    :func:`metadata`."""
+    if options.query_ids is None and options.doc_ids is None:
+        return None
+    rule = Rule(protect="first", docs=True, k=k)
+    meta = metadata(options, Spec((Family("x", "y", rule),), 1, k), offset, col_offset, cols)
+    return Mask(rule, meta["rows"]["x"], meta["cols"]["y"])
 
 
 def targets(spec: Spec, offset: Any, n: int) -> dict:
