@@ -18,6 +18,7 @@ from gc_jax.losses import (
     _ring_families,
 )
 from gc_jax.losses._bank import Bank
+from gc_jax.losses._masks import Sides
 
 
 @_docs.shared_docs
@@ -263,7 +264,7 @@ def with_options(
     scalars = (temperature, options.margin, jnp.asarray(options.hardness_strength, float))
     if options.bank is not None:
         extras["bank"] = options.bank
-        sides += tuple(_bank.columns(options.bank).values())
+        sides += _bank.columns(options.bank)
         scalars += (jax.lax.stop_gradient(count),)
     return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
 
@@ -278,20 +279,19 @@ def _rows(spec, options, x, y, scale, block_size, axis_name, ring, count) -> jax
     if axis_name is None:  # one device, or jit over a mesh: every array whole
         whole = lambda v: _layout.reshard_typed(v, P())
         x, y, options = whole(x), whole(y), options.map_arrays(whole)
-        offset, cols, gathered = 0, options, {"cx": None, "cy": None}
+        offset, cols, gathered = 0, options, Sides()
     else:
         gather = lambda v: _distributed.all_gather(v, axis_name)
         offset = _distributed.axis_index_offset(n, axis_name)
         cols = options.map_arrays(gather)
         x_cols = any(f.cols == "x" for f in spec.families)
-        gathered = {"cx": gather(x) if x_cols else None, "cy": gather(y)}
+        gathered = Sides(cx=gather(x) if x_cols else None, cy=gather(y))
     meta = _options.metadata(options, spec, offset, 0, cols)
-    meta["targets"] = _options.targets(spec, offset, n)
-    sides = {"x": x, "y": y, **gathered}
+    meta = meta._replace(targets=_options.targets(spec, offset, n))
+    sides = gathered._replace(x=x, y=y)
     if options.bank is not None:  # every device's bank (gathered or whole): from row 0
         ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides |= _bank.columns(cols.bank)
-        meta["cols"] |= _bank.metadata(cols.bank, 0, count, ids)
+        sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
     if block_size is not None:
         return _families.blockwise(spec, block_size, sides, scale, meta)
     return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)

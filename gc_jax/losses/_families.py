@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax.losses import _blockwise, _sweeps, _tiles
-from gc_jax.losses._masks import Mask, Rule
+from gc_jax.losses._masks import Mask, Meta, Metadata, Rule, Sides
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
 
@@ -59,39 +59,40 @@ class Spec(NamedTuple):
     k: int
 
 
-def _rows_of(fam: Family, sides: dict, k: int) -> Any:
-    return sides["x"] if fam.rows == "x" else Firsts(sides["y"], k)
+def _rows_of(fam: Family, sides: Sides, k: int) -> Any:
+    return sides.x if fam.rows == "x" else Firsts(sides.y, k)
 
 
-def _cols_key(fam: Family, sides: dict) -> str:
-    """The key of ``sides`` holding the family's columns: gathered ones if any."""
+def _cols_key(fam: Family, sides: Sides) -> str:
+    """The side holding the family's columns: the gathered ones if any."""
     gathered = "c" + fam.cols
-    return gathered if sides.get(gathered) is not None else fam.cols
+    return gathered if sides.of(gathered) is not None else fam.cols
 
 
-def _mask(fam: Family, meta: dict) -> Mask:
-    return Mask(fam.rule, meta["rows"][fam.rows], meta["cols"][fam.cols])
+def _mask(fam: Family, meta: Metadata) -> Mask:
+    return Mask(fam.rule, meta.rows.of(fam.rows), meta.cols.of(fam.cols))
 
 
-def _targets(fam: Family, meta: dict) -> jax.Array | None:
-    return None if fam.target is None else meta["targets"][fam.target]
+def targets_of(fam: Family, meta: Metadata) -> jax.Array | None:
+    """The family's targets (the column of each row's positive), or None."""
+    return None if fam.target is None else getattr(meta.targets, fam.target)
 
 
-def dense(spec: Spec, sides: dict, scale: Scalar, meta: dict) -> jax.Array:
+def dense(spec: Spec, sides: Sides, scale: Scalar, meta: Metadata) -> jax.Array:
     """Per-query losses from whole logit matrices (the families' pairs masked out)."""
     groups = [[] for _ in range(spec.groups)]
     target = [0.0] * spec.groups
     for fam in spec.families:
         rows = _tiles.dense(_rows_of(fam, sides, spec.k))
-        cols = sides[_cols_key(fam, sides)]
+        cols = sides.of(_cols_key(fam, sides))
         raw = jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
-        rm, cm = _tiles.dense(meta["rows"][fam.rows]), _tiles.dense(meta["cols"][fam.cols])
+        rm, cm = _tiles.dense(meta.rows.of(fam.rows)), _tiles.dense(meta.cols.of(fam.cols))
         at = (rm, cm, jnp.arange(raw.shape[0]), jnp.arange(raw.shape[1]))
         z, keep, boost = scale * raw, fam.rule.keep(*at), fam.rule.boost(*at)
         if boost is not None:
             z = z + jnp.where(boost[0], boost[1] * jax.lax.stop_gradient(raw), 0)
         groups[fam.group].append(z if keep is None else jnp.where(keep, z, -jnp.inf))
-        targets = _targets(fam, meta)
+        targets = targets_of(fam, meta)
         if targets is not None:
             pos = jnp.arange(z.shape[1]) == targets[:, None]
             target[fam.group] = target[fam.group] + jnp.sum(jnp.where(pos, z, 0), axis=1)
@@ -101,35 +102,35 @@ def dense(spec: Spec, sides: dict, scale: Scalar, meta: dict) -> jax.Array:
 
 def forward(spec, block, sides, scale, meta) -> tuple[jax.Array, tuple]:
     """Per-query losses and each group's log-sum-exp, tile by tile."""
-    x = sides["x"]
+    x = sides.x
     zero = jnp.zeros((), scale.dtype)
-    carries = [_blockwise.init(Softmax, x, sides["y"], dtype=scale.dtype)] * spec.groups
+    carries = [_blockwise.init(Softmax, x, sides.y, dtype=scale.dtype)] * spec.groups
     for fam in spec.families:
-        rows, cols = _rows_of(fam, sides, spec.k), sides[_cols_key(fam, sides)]
+        rows, cols = _rows_of(fam, sides, spec.k), sides.of(_cols_key(fam, sides))
         carries[fam.group] = _blockwise.sweep(
-            Softmax, block, rows, cols, _targets(fam, meta), scale, zero,
+            Softmax, block, rows, cols, targets_of(fam, meta), scale, zero,
             carries[fam.group], _mask(fam, meta),
         )  # fmt: skip
     losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
     return sum(losses) / spec.groups, stats
 
 
-def backward(spec, block, sides, scale, meta, stats, g) -> tuple[dict, Scalar, Any]:
+def backward(spec, block, sides, scale, meta, stats, g) -> tuple[Sides, Scalar, Any]:
     """Cotangents of ``sides``, ``scale`` and the hardness strength (None without
     hardness), every family's added into one buffer per side."""
     zero = jnp.zeros((), scale.dtype)
     g = g / spec.groups
-    grads: dict[str, Any] = dict.fromkeys(sides)
+    grads = Sides()
     dscale, dalpha = zero, None
     for fam in spec.families:
         rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
-        args = (Softmax, block, rows, sides[cols_key], _targets(fam, meta), scale, zero)
+        args = (Softmax, block, rows, sides.of(cols_key), targets_of(fam, meta), scale, zero)
         args = (*args, stats[fam.group], g, _mask(fam, meta))
         if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
             grads, (ds, _, *da) = _add_rows(fam, args, grads, sides, spec.k)
         elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
             dx, dcols, ds, _, *da = _blockwise.backward(*args)
-            grads["x"], grads[cols_key] = dx, dcols
+            grads = grads.put("x", dx).put(cols_key, dcols)
         else:
             grads, (ds, _, *da) = _add_family(fam, args, grads, sides, cols_key, spec.k)
         dscale = dscale + ds
@@ -152,37 +153,36 @@ def alpha_cotangent(meta: dict, dalpha: Any) -> Any:
     if dalpha is None:
         return None
     cotangent = jax.tree.map(lambda _: None, meta)
-    alpha = meta["rows"]["x"]["alpha"]
-    cotangent["rows"]["x"]["alpha"] = dalpha.astype(alpha.dtype)
-    return cotangent
+    x = cotangent.rows.x._replace(alpha=dalpha.astype(meta.rows.x.alpha.dtype))
+    return cotangent._replace(rows=cotangent.rows._replace(x=x))
 
 
 def _add_family(fam, args, grads, sides, cols_key, k):
     """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new);
     returns ``grads`` and the scalars' (``_sweeps.Sweeps.query_sweep``)."""
     for key in ("y" if fam.rows == "p" else "x", cols_key):
-        if grads[key] is None:
-            grads[key] = _zeros_of(sides[key], *sides.values())
+        if grads.of(key) is None:
+            grads = grads.put(key, _zeros_of(sides.of(key), *sides))
     row_key = "x" if fam.rows == "x" else "y"
-    row_buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
+    row_buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), k)
     same = row_key == cols_key  # rows and columns are rows of one array
     row_buf, col_buf, *scalars = _blockwise.backward(
-        *args, into=(row_buf, None if same else grads[cols_key])
+        *args, into=(row_buf, None if same else grads.of(cols_key))
     )
-    grads[row_key] = row_buf.array if isinstance(row_buf, Firsts) else row_buf
+    grads = grads.put(row_key, row_buf.array if isinstance(row_buf, Firsts) else row_buf)
     if not same:
-        grads[cols_key] = col_buf
+        grads = grads.put(cols_key, col_buf)
     return grads, scalars
 
 
 def _add_rows(fam, args, grads, sides, k):
     """Adds one family's rows' gradients into ``grads``: its columns are constants."""
     row_key = "x" if fam.rows == "x" else "y"
-    if grads[row_key] is None:
-        grads[row_key] = _zeros_of(sides[row_key], *sides.values())
-    buf = grads[row_key] if fam.rows == "x" else Firsts(grads[row_key], k)
+    if grads.of(row_key) is None:
+        grads = grads.put(row_key, _zeros_of(sides.of(row_key), *sides))
+    buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), k)
     buf, *scalars = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
-    grads[row_key] = buf.array if isinstance(buf, Firsts) else buf
+    grads = grads.put(row_key, buf.array if isinstance(buf, Firsts) else buf)
     return grads, scalars
 
 
@@ -215,24 +215,28 @@ def _rowwise_bwd(spec, block, res, g):
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
-def blockwise(spec: Spec, block: int, sides: dict, scale: Any, meta: dict) -> jax.Array:
+def blockwise(spec: Spec, block: int, sides: Sides, scale: Any, meta: Metadata) -> jax.Array:
     """Per-query losses, tile by tile (a custom VJP).
 
     ``sides``: ``x`` (this device's queries), ``y`` (their documents) and, in the
     gather form, ``cx``/``cy``: the columns gathered from every device (else None:
     the columns are ``x`` and ``y`` themselves).
     """
-    acc = _blockwise.accumulation_dtype(*(v for v in sides.values() if v is not None), scale)
-    arrays = [v for v in sides.values() if v is not None]
+    arrays = [v for v in sides if v is not None]
+    acc = _blockwise.accumulation_dtype(*arrays, scale)
     scale = _tiles.varying_like(jnp.asarray(scale, acc), *arrays)
-    if "alpha" in meta["rows"]["x"]:  # differentiated like scale: varying like the rows
+    if meta.rows.x.alpha is not None:  # differentiated like scale: varying like the rows
         meta = vary_alpha(meta, *arrays)
     return _rowwise(spec, block, sides, scale, meta)
 
 
-def vary_alpha(meta: dict, *arrays: Any) -> dict:
+def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:
     """``meta`` with the hardness strength cast to vary like ``arrays`` (its cotangent,
     summed over this device's rows, is then summed over devices as ``scale``'s is)."""
-    alpha = _tiles.varying_like(meta["rows"]["x"]["alpha"], *arrays)
-    rows = {side: {**m, "alpha": alpha} for side, m in meta["rows"].items()}
-    return {**meta, "rows": rows}
+    alpha = _tiles.varying_like(meta.rows.x.alpha, *arrays)
+    rows = jax.tree.map(lambda m: m._replace(alpha=alpha), meta.rows, is_leaf=_is_meta)
+    return meta._replace(rows=rows)
+
+
+def _is_meta(v: Any) -> bool:
+    return isinstance(v, Meta)

@@ -17,7 +17,7 @@ import numpy as np
 
 from gc_jax import _narrow
 from gc_jax.losses._families import Family, Spec
-from gc_jax.losses._masks import Mask, Rule
+from gc_jax.losses._masks import Mask, Meta, Metadata, Rule, Sides, Targets
 from gc_jax.losses._tiles import Firsts, Repeated
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -245,7 +245,7 @@ def metadata(
     offset: Any,
     col_offset: Any,
     cols: Options | None = None,
-) -> dict:
+) -> Metadata:
     """What the tiles' rules read, for this device's rows and the columns they meet.
 
     ``offset``: the global index of this device's first query; ``cols``: the options
@@ -254,27 +254,24 @@ def metadata(
     """
     cols = options if cols is None else cols
     k, qid, pid, guide = spec.k, options.query_ids, options.doc_ids, options.guide
-    row = {"offset": offset}
-    if pid is not None:
-        row["pid"] = Firsts(pid, k)
-    if qid is not None:
-        row["qid"] = qid
-    if options.hardness_mode is not None:
-        row["alpha"] = options.hardness_strength
-    rows = {"x": dict(row), "p": dict(row)}
+    alpha = None if options.hardness_mode is None else options.hardness_strength
+    row = Meta(offset=offset, pid=None if pid is None else Firsts(pid, k), qid=qid, alpha=alpha)
+    rows = Sides(x=row, p=row)
     if guide is not None:
-        row |= {"t": thresholds(guide, k), "margin": options.margin}
-        rows = {"x": {**row, "g": guide[0]}, "p": {**row, "g": Firsts(guide[1], k)}}
-    col_x, col_y = {"offset": col_offset}, {"offset": col_offset * k}
+        row = row._replace(t=thresholds(guide, k), margin=options.margin)
+        rows = Sides(x=row._replace(g=guide[0]), p=row._replace(g=Firsts(guide[1], k)))
+    col_x, col_y = Meta(offset=col_offset), Meta(offset=col_offset * k)
     if cols.doc_ids is not None:
-        col_x["pid"], col_y["pid"] = Firsts(cols.doc_ids, k), cols.doc_ids
+        col_x = col_x._replace(pid=Firsts(cols.doc_ids, k))
+        col_y = col_y._replace(pid=cols.doc_ids)
     if cols.query_ids is not None:
-        col_x["qid"] = cols.query_ids
-        col_y["qid"] = Repeated(cols.query_ids, k) if k > 1 else cols.query_ids
+        col_x = col_x._replace(qid=cols.query_ids)
+        col_y = col_y._replace(qid=Repeated(cols.query_ids, k) if k > 1 else cols.query_ids)
     if cols.guide is not None:
-        col_x["g"], col_y["g"] = cols.guide
-    used = {f.cols for f in spec.families}
-    return {"rows": rows, "cols": {s: c for s, c in (("x", col_x), ("y", col_y)) if s in used}}
+        col_x, col_y = col_x._replace(g=cols.guide[0]), col_y._replace(g=cols.guide[1])
+    scored = {f.cols for f in spec.families}
+    used = lambda side, meta: meta if side in scored else None
+    return Metadata(cols=Sides(x=used("x", col_x), y=used("y", col_y)), rows=rows)
 
 
 def id_mask(options: Options, k: int, offset: Any, col_offset: Any, cols=None) -> Mask | None:
@@ -287,11 +284,13 @@ def id_mask(options: Options, k: int, offset: Any, col_offset: Any, cols=None) -
         return None
     rule = Rule(protect="first", docs=True, k=k)
     meta = metadata(options, Spec((Family("x", "y", rule),), 1, k), offset, col_offset, cols)
-    return Mask(rule, meta["rows"]["x"], meta["cols"]["y"])
+    return Mask(rule, meta.rows.x, meta.cols.y)
 
 
-def targets(spec: Spec, offset: Any, n: int) -> dict:
-    """Each family's target columns, indexing the columns as :func:`metadata` numbers them."""
+def targets(spec: Spec, offset: Any, n: int) -> Targets:
+    """Each family's target columns, indexing the columns as :func:`metadata` numbers them
+    (``offset``: the global index of this device's first query)."""
     index = offset + jnp.arange(n)
-    every = {"first": index * spec.k, "self": index}
-    return {f.target: every[f.target] for f in spec.families if f.target is not None}
+    used = {f.target for f in spec.families}
+    return Targets(first=index * spec.k if "first" in used else None,
+                   self=index if "self" in used else None)  # fmt: skip

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from gc_jax import _distributed
 from gc_jax._base import AxisName
 from gc_jax.losses import _bank, _blockwise, _families, _options, _sweeps, _tiles
-from gc_jax.losses._families import Spec
-from gc_jax.losses._masks import Mask
+from gc_jax.losses._families import Spec, targets_of
+from gc_jax.losses._masks import Mask, Sides, Targets
 from gc_jax.losses._order import after, after_on_cpu
 from gc_jax.losses._ring import around, around_back
 from gc_jax.losses._strategies import Softmax
@@ -35,32 +35,33 @@ from gc_jax.losses._tiles import Firsts
 
 
 def _passes(spec: Spec) -> tuple[str, ...]:
+    """The sides whose blocks travel, in the order of their rings."""
     sides = ("y", "x", "by", "bx")
     return tuple(s for s in sides if any(f.cols == s for f in spec.families))
 
 
-def _rows(fam, sides: dict, k: int) -> Any:
-    return sides["x"] if fam.rows == "x" else Firsts(sides["y"], k)
+def _rows(fam, sides: Sides, k: int) -> Any:
+    return sides.x if fam.rows == "x" else Firsts(sides.y, k)
 
 
 def _forward(spec, block, axis_name, sides, scale, meta):
     zero = jnp.zeros((), scale.dtype)
-    carries = (_blockwise.init(Softmax, sides["x"], sides["y"], dtype=scale.dtype),) * spec.groups
+    carries = (_blockwise.init(Softmax, sides.x, sides.y, dtype=scale.dtype),) * spec.groups
     for n, side in enumerate(_passes(spec)):
 
         def visit(here, carries, own, side=side):
             reps, cols_meta = here
             carries = list(carries)
             for fam in (f for f in spec.families if f.cols == side):
-                targets = meta["targets"].get(fam.target) if own else None
-                mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
+                targets = targets_of(fam, meta) if own else None
+                mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
                 carries[fam.group] = _blockwise.sweep(
                     Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
                     carries[fam.group], mask,
                 )  # fmt: skip
             return tuple(carries)
 
-        here = (sides[side], meta["cols"][side])
+        here = (sides.of(side), meta.cols.of(side))
         if n:  # the second ring starts once the first is done
             here = after(here, carries)
         carries = around(visit, here, carries, axis_name)
@@ -71,7 +72,7 @@ def _forward(spec, block, axis_name, sides, scale, meta):
 def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
     acc = scale.dtype
     zero, g = jnp.zeros((), acc), g / spec.groups
-    x, y = sides["x"], sides["y"]
+    x, y = sides.x, sides.y
     boosts = any(f.rule.hardness is not None for f in spec.families)
     state = (_tiles.zeros(x, acc, x, y), _tiles.zeros(y, acc, x, y), zero)
     state += (zero,) if boosts else ()  # the hardness strength's gradient
@@ -82,8 +83,8 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
             reps, cols_meta = here
             dx, dy, dscale, *dalpha = state
             for fam in (f for f in spec.families if f.cols == side):
-                targets = meta["targets"].get(fam.target) if own else None
-                mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
+                targets = targets_of(fam, meta) if own else None
+                mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
                 buf = dx if fam.rows == "x" else Firsts(dy, spec.k)
                 buf, col_acc, ds, _, *da = _blockwise.backward(
                     Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
@@ -94,7 +95,7 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
                 dalpha = [a + b for a, b in zip(dalpha, da, strict=False)] if da else dalpha
             return col_acc, (dx, dy, dscale, *dalpha)
 
-        here = (sides[side], meta["cols"][side])
+        here = (sides.of(side), meta.cols.of(side))
         if n:  # the next ring starts once the one before is done (its gradient home)
             here = after(here, state)
         elif spec.groups > 1 and len(passes) > 1:
@@ -106,15 +107,14 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
             bank = functools.partial(_bank_visit, spec, block, sides, scale, meta, stats, g, side)
             state = around(bank, here, state, axis_name)
             continue
-        home, state = around_back(visit, here, _tiles.zeros(sides[side], acc, x, y), state,
+        home, state = around_back(visit, here, _tiles.zeros(sides.of(side), acc, x, y), state,
                                    axis_name)  # fmt: skip
         dx, dy, *scalars = state
         state = (dx + home, dy, *scalars) if side == "x" else (dx, dy + home, *scalars)
     dx, dy, dscale, *dalpha = state
     dx, dscale, dalpha = after((dx, dscale, dalpha), dy)  # every ppermute before the psums
     dscale, dalpha = after((dscale, dalpha), dx)
-    grads = dict.fromkeys(sides)  # a bank's columns: None, no gradient
-    grads |= {"x": dx.astype(x.dtype), "y": dy.astype(y.dtype)}
+    grads = Sides(x=dx.astype(x.dtype), y=dy.astype(y.dtype))  # a bank's columns: no gradient
     return grads, dscale, dalpha[0] if dalpha else None
 
 
@@ -124,7 +124,7 @@ def _bank_visit(spec, block, sides, scale, meta, stats, g, side, here, state, ow
     dx, dy, dscale, *dalpha = state
     zero = jnp.zeros((), scale.dtype)
     for fam in (f for f in spec.families if f.cols == side):
-        mask = Mask(fam.rule, meta["rows"][fam.rows], cols_meta)
+        mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
         rows = _rows(fam, sides, spec.k)
         sweeps = _sweeps.Sweeps(
             Softmax, block, rows, reps, None, scale, zero, stats[fam.group], g, mask
@@ -174,14 +174,15 @@ def rows(
     n = len(x)
     offset = _distributed.axis_index_offset(n, axis_name)
     meta = _options.metadata(options, spec, offset, offset)
-    sides = {"x": x, "y": y}
+    sides = Sides(x=x, y=y)
     if options.bank is not None:  # this device's bank: its blocks travel like y's
         ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides |= _bank.columns(options.bank)
-        meta["cols"] |= _bank.metadata(options.bank, offset, count, ids)
-    local = jnp.arange(n)
-    every = {"first": local * spec.k, "self": local}  # into this device's own block
-    meta["targets"] = {f.target: every[f.target] for f in spec.families if f.target}
+        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
+    local = jnp.arange(n)  # into this device's own block
+    used = {f.target for f in spec.families}
+    targets = Targets(first=local * spec.k if "first" in used else None,
+                      self=local if "self" in used else None)  # fmt: skip
+    meta = meta._replace(targets=targets)
     acc = _blockwise.accumulation_dtype(x, y, scale)
     scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), x, y)
     return _rowwise(spec, block_size, axis_name, sides, scale, meta)
