@@ -17,13 +17,12 @@ outside the loops.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from gc_jax.losses import _blockwise, _sweeps, _tiles
+from gc_jax.losses import _blockwise, _sweeps, _tiles, _vjp
 from gc_jax.losses._masks import Mask, Meta, Metadata, Rule, Sides
 from gc_jax.losses._strategies import Softmax
 from gc_jax.losses._tiles import Firsts
@@ -100,6 +99,30 @@ def dense(spec: Spec, sides: Sides, scale: Scalar, meta: Metadata) -> jax.Array:
     return sum(a - b for a, b in zip(lse, target, strict=True)) / spec.groups
 
 
+class Inputs(NamedTuple):
+    """The inputs of a loss of several families (a pytree): its rows and columns by
+    side, the logits' multiplier, and their metadata."""
+
+    sides: Sides
+    scale: Scalar
+    meta: Metadata
+
+
+class Plan(NamedTuple):
+    """The engine (``_vjp.Engine``) of ``spec``'s families on one device (or over the
+    gathered columns), in tiles of ``block`` rows (static, hashable)."""
+
+    spec: Spec
+    block: int
+
+    def forward(self, inputs: Inputs) -> tuple[jax.Array, tuple]:
+        return forward(self.spec, self.block, *inputs)
+
+    def backward(self, inputs: Inputs, stats: tuple, g: jax.Array) -> Inputs:
+        grads, dscale, dalpha = backward(self.spec, self.block, inputs, stats, g)
+        return Inputs(grads, dscale, alpha_cotangent(inputs.meta, dalpha))
+
+
 def forward(spec, block, sides, scale, meta) -> tuple[jax.Array, tuple]:
     """Per-query losses and each group's log-sum-exp, tile by tile."""
     x = sides.x
@@ -107,32 +130,33 @@ def forward(spec, block, sides, scale, meta) -> tuple[jax.Array, tuple]:
     carries = [_blockwise.init(Softmax, x, sides.y, dtype=scale.dtype)] * spec.groups
     for fam in spec.families:
         rows, cols = _rows_of(fam, sides, spec.k), sides.of(_cols_key(fam, sides))
-        carries[fam.group] = _blockwise.sweep(
-            Softmax, block, rows, cols, targets_of(fam, meta), scale, zero,
-            carries[fam.group], _mask(fam, meta),
-        )  # fmt: skip
+        tiles = _blockwise.Tiles(Softmax, block, rows, cols, targets_of(fam, meta), scale, zero,
+                                 _mask(fam, meta))  # fmt: skip
+        carries[fam.group] = _blockwise.sweep(tiles, carries[fam.group])
     losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
     return sum(losses) / spec.groups, stats
 
 
-def backward(spec, block, sides, scale, meta, stats, g) -> tuple[Sides, Scalar, Any]:
-    """Cotangents of ``sides``, ``scale`` and the hardness strength (None without
+def backward(spec, block, inputs, stats, g) -> tuple[Sides, Scalar, Any]:
+    """Cotangents of the sides, the scale and the hardness strength (None without
     hardness), every family's added into one buffer per side."""
+    sides, scale, meta = inputs
     zero = jnp.zeros((), scale.dtype)
     g = g / spec.groups
     grads = Sides()
     dscale, dalpha = zero, None
     for fam in spec.families:
         rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
-        args = (Softmax, block, rows, sides.of(cols_key), targets_of(fam, meta), scale, zero)
-        args = (*args, stats[fam.group], g, _mask(fam, meta))
+        tiles = _blockwise.Tiles(Softmax, block, rows, sides.of(cols_key), targets_of(fam, meta),
+                                 scale, zero, _mask(fam, meta))  # fmt: skip
+        stat = (stats[fam.group], g)
         if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
-            grads, (ds, _, *da) = _add_rows(fam, args, grads, sides, spec.k)
+            grads, (ds, _, *da) = _add_rows(fam, (tiles, *stat), grads, sides)
         elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
-            dx, dcols, ds, _, *da = _blockwise.backward(*args)
+            dx, dcols, ds, _, *da = _blockwise.backward(tiles, *stat)
             grads = grads.put("x", dx).put(cols_key, dcols)
         else:
-            grads, (ds, _, *da) = _add_family(fam, args, grads, sides, cols_key, spec.k)
+            grads, (ds, _, *da) = _add_family(fam, (tiles, *stat), grads, sides, cols_key)
         dscale = dscale + ds
         dalpha = add_alpha(dalpha, da)
     return grads, dscale, dalpha
@@ -157,14 +181,14 @@ def alpha_cotangent(meta: dict, dalpha: Any) -> Any:
     return cotangent._replace(rows=cotangent.rows._replace(x=x))
 
 
-def _add_family(fam, args, grads, sides, cols_key, k):
+def _add_family(fam, args, grads, sides, cols_key):
     """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new);
     returns ``grads`` and the scalars' (``_sweeps.Sweeps.query_sweep``)."""
     for key in ("y" if fam.rows == "p" else "x", cols_key):
         if grads.of(key) is None:
             grads = grads.put(key, _zeros_of(sides.of(key), *sides))
     row_key = "x" if fam.rows == "x" else "y"
-    row_buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), k)
+    row_buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), fam.rule.k)
     same = row_key == cols_key  # rows and columns are rows of one array
     row_buf, col_buf, *scalars = _blockwise.backward(
         *args, into=(row_buf, None if same else grads.of(cols_key))
@@ -175,12 +199,12 @@ def _add_family(fam, args, grads, sides, cols_key, k):
     return grads, scalars
 
 
-def _add_rows(fam, args, grads, sides, k):
+def _add_rows(fam, args, grads, sides):
     """Adds one family's rows' gradients into ``grads``: its columns are constants."""
     row_key = "x" if fam.rows == "x" else "y"
     if grads.of(row_key) is None:
         grads = grads.put(row_key, _zeros_of(sides.of(row_key), *sides))
-    buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), k)
+    buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), fam.rule.k)
     buf, *scalars = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
     grads = grads.put(row_key, buf.array if isinstance(buf, Firsts) else buf)
     return grads, scalars
@@ -196,25 +220,6 @@ def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     return _tiles.varying_like(jnp.full_like(v, zero), *others)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _rowwise(spec, block, sides, scale, meta):
-    return forward(spec, block, sides, scale, meta)[0]
-
-
-def _rowwise_fwd(spec, block, sides, scale, meta):
-    loss, stats = forward(spec, block, sides, scale, meta)
-    return loss, (sides, scale, meta, stats)
-
-
-def _rowwise_bwd(spec, block, res, g):
-    sides, scale, meta, stats = res
-    grads, dscale, dalpha = backward(spec, block, sides, scale, meta, stats, g)
-    return grads, dscale, alpha_cotangent(meta, dalpha)
-
-
-_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
-
-
 def blockwise(spec: Spec, block: int, sides: Sides, scale: Any, meta: Metadata) -> jax.Array:
     """Per-query losses, tile by tile (a custom VJP).
 
@@ -227,7 +232,7 @@ def blockwise(spec: Spec, block: int, sides: Sides, scale: Any, meta: Metadata) 
     scale = _tiles.varying_like(jnp.asarray(scale, acc), *arrays)
     if meta.rows.x.alpha is not None:  # differentiated like scale: varying like the rows
         meta = vary_alpha(meta, *arrays)
-    return _rowwise(spec, block, sides, scale, meta)
+    return _vjp.rowwise(Plan(spec, block), Inputs(sides, scale, meta))
 
 
 def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:

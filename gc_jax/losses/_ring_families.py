@@ -17,16 +17,15 @@ data dependencies (``_order.after``); the schedule is ``_ring``'s.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses import _bank, _blockwise, _families, _options, _sweeps, _tiles
-from gc_jax.losses._families import Spec, targets_of
+from gc_jax.losses import _bank, _blockwise, _families, _options, _sweeps, _tiles, _vjp
+from gc_jax.losses._families import Inputs, Spec, targets_of
 from gc_jax.losses._masks import Mask, Sides, Targets
 from gc_jax.losses._order import after, after_on_cpu
 from gc_jax.losses._ring import around, around_back
@@ -44,56 +43,90 @@ def _rows(fam, sides: Sides, k: int) -> Any:
     return sides.x if fam.rows == "x" else Firsts(sides.y, k)
 
 
-def _forward(spec, block, axis_name, sides, scale, meta):
-    zero = jnp.zeros((), scale.dtype)
+class RingPlan(NamedTuple):
+    """The engine (``_vjp.Engine``) of ``spec``'s families on the ring of ``axis_name``
+    in tiles of ``block`` rows (static, hashable); its inputs are ``_families.Inputs``."""
+
+    spec: Spec
+    block: int
+    axis_name: AxisName
+
+    def forward(self, inputs: Inputs) -> tuple[jax.Array, tuple]:
+        return _forward(self, inputs)
+
+    def backward(self, inputs: Inputs, stats: tuple, g: jax.Array) -> Inputs:
+        grads, dscale, dalpha = _backward(self, inputs, stats, g)
+        return Inputs(grads, dscale, _families.alpha_cotangent(inputs.meta, dalpha))
+
+    def tiles(self, fam, inputs: Inputs, here: tuple, own: bool) -> _blockwise.Tiles:
+        """Family ``fam``'s tiles of this device's rows against the block ``here``
+        (``(columns, their metadata)``; ``own``: this device's, holding the targets)."""
+        sides, scale, meta = inputs
+        reps, cols_meta = here
+        targets = targets_of(fam, meta) if own else None
+        mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
+        zero = jnp.zeros((), scale.dtype)
+        rows = _rows(fam, sides, self.spec.k)
+        return _blockwise.Tiles(Softmax, self.block, rows, reps, targets, scale, zero, mask)
+
+
+def _forward(plan: RingPlan, inputs: Inputs) -> tuple[jax.Array, tuple]:
+    spec, (sides, scale, meta) = plan.spec, inputs
     carries = (_blockwise.init(Softmax, sides.x, sides.y, dtype=scale.dtype),) * spec.groups
     for n, side in enumerate(_passes(spec)):
 
         def visit(here, carries, own, side=side):
-            reps, cols_meta = here
             carries = list(carries)
             for fam in (f for f in spec.families if f.cols == side):
-                targets = targets_of(fam, meta) if own else None
-                mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
-                carries[fam.group] = _blockwise.sweep(
-                    Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
-                    carries[fam.group], mask,
-                )  # fmt: skip
+                tiles = plan.tiles(fam, inputs, here, own)
+                carries[fam.group] = _blockwise.sweep(tiles, carries[fam.group])
             return tuple(carries)
 
         here = (sides.of(side), meta.cols.of(side))
         if n:  # the second ring starts once the first is done
             here = after(here, carries)
-        carries = around(visit, here, carries, axis_name)
+        carries = around(visit, here, carries, plan.axis_name)
     losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
     return sum(losses) / spec.groups, stats
 
 
-def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
+def _add(fam, state: tuple, buf: Any, more: tuple) -> tuple:
+    """``state = (dx, dy, dscale[, dalpha])`` with family ``fam``'s rows' gradient buffer
+    ``buf`` put back and its scalars' gradients ``more = (ds, dbias[, da])`` added."""
+    dx, dy, dscale, *dalpha = state
+    ds, _, *da = more
+    dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
+    dalpha = [a + b for a, b in zip(dalpha, da, strict=False)] if da else dalpha
+    return dx, dy, dscale + ds, *dalpha
+
+
+def _backward(plan: RingPlan, inputs: Inputs, stats: tuple, g: jax.Array):
+    spec, (sides, scale, meta) = plan.spec, inputs
     acc = scale.dtype
     zero, g = jnp.zeros((), acc), g / spec.groups
     x, y = sides.x, sides.y
     boosts = any(f.rule.hardness is not None for f in spec.families)
     state = (_tiles.zeros(x, acc, x, y), _tiles.zeros(y, acc, x, y), zero)
     state += (zero,) if boosts else ()  # the hardness strength's gradient
+    buffer = lambda fam, state: state[0] if fam.rows == "x" else Firsts(state[1], spec.k)
     passes = _passes(spec)
     for n, side in enumerate(passes):
 
         def visit(here, col_acc, state, own, side=side):
-            reps, cols_meta = here
-            dx, dy, dscale, *dalpha = state
             for fam in (f for f in spec.families if f.cols == side):
-                targets = targets_of(fam, meta) if own else None
-                mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
-                buf = dx if fam.rows == "x" else Firsts(dy, spec.k)
-                buf, col_acc, ds, _, *da = _blockwise.backward(
-                    Softmax, block, _rows(fam, sides, spec.k), reps, targets, scale, zero,
-                    stats[fam.group], g, mask, into=(buf, col_acc),
-                )  # fmt: skip
-                dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
-                dscale = dscale + ds
-                dalpha = [a + b for a, b in zip(dalpha, da, strict=False)] if da else dalpha
-            return col_acc, (dx, dy, dscale, *dalpha)
+                tiles = plan.tiles(fam, inputs, here, own)
+                into = (buffer(fam, state), col_acc)
+                buf, col_acc, *more = _blockwise.backward(tiles, stats[fam.group], g, into)
+                state = _add(fam, state, buf, more)
+            return col_acc, state
+
+        def bank_visit(here, state, own, side=side):  # the rows' gradients alone
+            for fam in (f for f in spec.families if f.cols == side):
+                tiles = plan.tiles(fam, inputs, here, own)  # a bank's: no target
+                sweeps = _sweeps.Sweeps(tiles, stats[fam.group], g)
+                buf, *more = sweeps.query_sweep(buffer(fam, state), add=True)
+                state = _add(fam, state, buf, more)
+            return state
 
         here = (sides.of(side), meta.cols.of(side))
         if n:  # the next ring starts once the one before is done (its gradient home)
@@ -104,11 +137,10 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
             # (independent collectives, see ``_order``): it waits for every group's.
             here = after_on_cpu(here, stats)
         if side.startswith("b"):  # a bank's blocks travel for the rows' gradient alone
-            bank = functools.partial(_bank_visit, spec, block, sides, scale, meta, stats, g, side)
-            state = around(bank, here, state, axis_name)
+            state = around(bank_visit, here, state, plan.axis_name)
             continue
-        home, state = around_back(visit, here, _tiles.zeros(sides.of(side), acc, x, y), state,
-                                   axis_name)  # fmt: skip
+        start = _tiles.zeros(sides.of(side), acc, x, y)
+        home, state = around_back(visit, here, start, state, plan.axis_name)
         dx, dy, *scalars = state
         state = (dx + home, dy, *scalars) if side == "x" else (dx, dy + home, *scalars)
     dx, dy, dscale, *dalpha = state
@@ -116,44 +148,6 @@ def _backward(spec, block, axis_name, sides, scale, meta, stats, g):
     dscale, dalpha = after((dscale, dalpha), dx)
     grads = Sides(x=dx.astype(x.dtype), y=dy.astype(y.dtype))  # a bank's columns: no gradient
     return grads, dscale, dalpha[0] if dalpha else None
-
-
-def _bank_visit(spec, block, sides, scale, meta, stats, g, side, here, state, own):
-    """The rows' gradients against one travelling block of a bank (no gradient of its own)."""
-    reps, cols_meta = here
-    dx, dy, dscale, *dalpha = state
-    zero = jnp.zeros((), scale.dtype)
-    for fam in (f for f in spec.families if f.cols == side):
-        mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
-        rows = _rows(fam, sides, spec.k)
-        sweeps = _sweeps.Sweeps(
-            Softmax, block, rows, reps, None, scale, zero, stats[fam.group], g, mask
-        )
-        buf, ds, _, *da = sweeps.query_sweep(dx if fam.rows == "x" else Firsts(dy, spec.k),
-                                             add=True)  # fmt: skip
-        dx, dy = (buf, dy) if fam.rows == "x" else (dx, buf.array)
-        dscale = dscale + ds
-        dalpha = [a + b for a, b in zip(dalpha, da, strict=False)] if da else dalpha
-    return dx, dy, dscale, *dalpha
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _rowwise(spec, block, axis_name, sides, scale, meta):
-    return _forward(spec, block, axis_name, sides, scale, meta)[0]
-
-
-def _rowwise_fwd(spec, block, axis_name, sides, scale, meta):
-    loss, stats = _forward(spec, block, axis_name, sides, scale, meta)
-    return loss, (sides, scale, meta, stats)
-
-
-def _rowwise_bwd(spec, block, axis_name, res, g):
-    sides, scale, meta, stats = res
-    grads, dscale, dalpha = _backward(spec, block, axis_name, sides, scale, meta, stats, g)
-    return grads, dscale, _families.alpha_cotangent(meta, dalpha)
-
-
-_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
 def rows(
@@ -185,4 +179,4 @@ def rows(
     meta = meta._replace(targets=targets)
     acc = _blockwise.accumulation_dtype(x, y, scale)
     scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), x, y)
-    return _rowwise(spec, block_size, axis_name, sides, scale, meta)
+    return _vjp.rowwise(RingPlan(spec, block_size, axis_name), Inputs(sides, scale, meta))

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 
 from gc_jax import _narrow
 from gc_jax.losses import _tiles
-from gc_jax.losses._scores import Dot
 from gc_jax.losses._tiles import (
     Firsts,
     around,
@@ -32,14 +31,17 @@ from gc_jax.losses._tiles import (
 
 
 class Sweeps:
-    """The two sweeps of ``_blockwise.backward`` over one loss's tiles.
+    """The two sweeps of ``_blockwise.backward`` over one loss's tiles
+    (``_blockwise.Tiles``), given the forward's per-row statistic ``stat`` and the
+    per-row cotangents ``g``.
 
     ``score`` (``_scores``) scores a tile and sends its ``dz`` back to the rows: the
     gradients are those of ``score.leaf(x)`` and ``score.leaf(ys)``, the buffers
     shaped like them.
     """
 
-    def __init__(self, kind, block, x, ys, targets, scale, bias, stat, g, mask, score=Dot):
+    def __init__(self, tiles, stat, g):
+        kind, block, x, ys, targets, scale, bias, mask, score = tiles
         self.kind, self.x, self.ys, self.scale, self.bias = kind, x, ys, scale, bias
         self.score, self.n, self.m = score, count(x), count(ys)
         self.bq, self.bk = sizes(block, self.n, self.m)
@@ -62,7 +64,7 @@ class Sweeps:
             keep = self.rule.keep(rm, cm, *self.positions(qs, ks))
             boost = self.rule.boost(rm, cm, *self.positions(qs, ks))
         raw, scored = self.score.raw(xq, yk, self.scale.dtype)
-        z, valid, pos = logits(raw, tq, ks, own, self.scale, self.bias, keep, boost)
+        z, valid, pos = logits(raw, tq, (ks, own), (self.scale, self.bias), (keep, boost))
         dz = gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
         return raw, scored, dz, None if boost is None else boost[0]
 
