@@ -229,28 +229,19 @@ def accumulation_dtype(*values: Any) -> jnp.dtype:
     return jnp.promote_types(jnp.result_type(*values), jnp.float32)
 
 
-def call(
-    kind: Strategy,
-    x: Any,
-    ys: Any,
-    targets: jax.Array,
-    scale: float | jax.Array,
-    bias: float | jax.Array,
-    block_size: int,
-    *,
-    score: Score = Dot,
-    mask: Mask | None = None,
-) -> jax.Array:
-    """Casts the scalars to the accumulation dtype, varying like the rows, then runs.
+def call(tiles: Tiles) -> jax.Array:
+    """The per-row losses of ``tiles`` (one device, or the gathered columns).
 
+    Casts the scalars to the accumulation dtype, varying like the rows, then runs.
     ``x`` and ``ys`` (rows of ``score``) keep their dtypes: only tiles are computed in
-    the wider dtype. ``mask``: ``(rule, rows_meta, cols_meta)``, the pairs kept.
+    the wider dtype.
     """
+    kind, block, x, ys, targets, scale, bias, mask, score = tiles
     acc = accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
     scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
     rule, *meta = mask or (None, None, None)
-    form = Form(kind, score, block_size, rule)
+    form = Form(kind, score, block, rule)
     meta = None if rule is None else tuple(meta)
     return _vjp.rowwise(form, Inputs(x, ys, targets, scale, bias, meta))
 
@@ -282,7 +273,7 @@ def softmax_cross_entropy(
       >>> bool(jnp.allclose(softmax_cross_entropy(x, ys, t, 2.0, block_size=2), dense))
       True
     """
-    return call(_strategies.Softmax, x, ys, targets, scale, 0.0, block_size)
+    return call(Tiles(_strategies.Softmax, block_size, x, ys, targets, scale, 0.0))
 
 
 def sigmoid_rows(
@@ -317,4 +308,4 @@ def sigmoid_rows(
       >>> bool(jnp.allclose(rows, dense))
       True
     """
-    return call(_strategies.Sigmoid, x, ys, targets, scale, bias, block_size)
+    return call(Tiles(_strategies.Sigmoid, block_size, x, ys, targets, scale, bias))

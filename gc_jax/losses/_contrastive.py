@@ -253,8 +253,10 @@ def with_options(
 
     def local_options(x, y, temperature, margin, alpha, *count, extras, axis_name, ring):
         opts = options._replace(margin=margin, hardness_strength=alpha, **extras)
-        scale, count = scale_of(temperature), count[0] if count else None
-        per_row = _rows(spec, opts, x, y, scale, block_size, axis_name, ring, count)
+        if count:  # the bank's count travels as a scalar
+            opts = opts._replace(bank=opts.bank._replace(count=count[0]))
+        scale, where = scale_of(temperature), _common.Where(block_size, axis_name, ring)
+        per_row = _rows(spec, opts, x, y, scale, where)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
@@ -269,12 +271,15 @@ def with_options(
     return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
 
 
-def _rows(spec, options, x, y, scale, block_size, axis_name, ring, count) -> jax.Array:
-    """Per-query losses with ``options``, in the dense, blockwise or ring form."""
-    n = len(x)
+def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
+    """Per-query losses with ``options`` (its bank's count set), in the dense, blockwise
+    or ring form."""
+    n, (block_size, axis_name, ring) = len(x), where
     if ring:
-        block = block_size or max(n, len(y))  # dense: one tile per travelling block
-        return _ring_families.rows(spec, options, x, y, scale, block, axis_name, count)
+        return _ring_families.rows(spec, options, x, y, scale, where)
+    count = None if options.bank is None else options.bank.count
+    if options.bank is not None:  # the count: a scalar, not one of the bank's rows
+        options = options._replace(bank=options.bank._replace(count=None))
     acc = _blockwise.accumulation_dtype(x, y, scale)
     if axis_name is None:  # one device, or jit over a mesh: every array whole
         whole = lambda v: _layout.reshard_typed(v, P())

@@ -102,7 +102,7 @@ def maxsim_loss(
     def local(x, y, temperature, *, axis_name, ring):
         acc = jnp.promote_types(jnp.result_type(x.tokens, y.tokens, temperature), jnp.float32)
         scale = jnp.asarray(1.0 / temperature, acc)
-        per_row = _rows(x, y, k, scale, block_size, axis_name, ring)
+        per_row = _rows(x, y, k, scale, _common.Where(block_size, axis_name, ring))
         rows = len(x.tokens) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
@@ -110,13 +110,14 @@ def maxsim_loss(
     return _common.run(local, x, y, (temperature,), sides=tuple(y), **kw)
 
 
-def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.Array:
+def _rows(x: Side, y: Side, k: int, scale, where: _common.Where) -> jax.Array:
     """Per-row losses of this device's queries against every device's documents."""
-    n = len(x.tokens)
+    n, (block_size, axis_name, ring) = len(x.tokens), where
     if ring:
-        block = block_size or max(n, len(y.tokens))  # dense: one tile per travelling block
+        block = where.block(max(n, len(y.tokens)))  # dense: one tile per travelling block
         targets = jnp.arange(n) * k
-        return _ring.rows(Softmax, x, y, targets, scale, 0.0, block, axis_name, score=MaxSim)
+        tiles = _blockwise.Tiles(Softmax, block, x, y, targets, scale, 0.0, score=MaxSim)
+        return _ring.rows(tiles, axis_name)
     if axis_name is not None:
         y = Side(*(_distributed.all_gather(v, axis_name) for v in y))
     offset = 0 if axis_name is None else _distributed.axis_index_offset(n, axis_name)
@@ -125,7 +126,8 @@ def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.A
     (qt, dt), (qm, dm) = (_layout.gathered_scoring(a, b, whole) for a, b in zip(x, y, strict=True))
     x, y = Side(qt, qm), Side(dt, dm)
     if block_size is not None:
-        return _blockwise.call(Softmax, x, y, targets, scale, 0.0, block_size, score=MaxSim)
+        tiles = _blockwise.Tiles(Softmax, block_size, x, y, targets, scale, 0.0, score=MaxSim)
+        return _blockwise.call(tiles)
     logits = scale * MaxSim.raw(x, y, scale.dtype)[0]
     positive = jnp.arange(len(y.tokens)) == targets[:, None]
     return jax.nn.logsumexp(logits, axis=1) - jnp.sum(jnp.where(positive, logits, 0), axis=1)

@@ -45,8 +45,6 @@ from gc_jax._base import AxisName
 from gc_jax.losses import _blockwise, _tiles, _vjp
 from gc_jax.losses._blockwise import Form, Inputs, Tiles
 from gc_jax.losses._order import after
-from gc_jax.losses._scores import Dot, Score
-from gc_jax.losses._strategies import Strategy
 
 Scalar = jax.Array
 
@@ -170,42 +168,27 @@ class Ring(NamedTuple):
         return Inputs(dx, dys, None, dscale, dbias, none)
 
 
-def rows(
-    kind: Strategy,
-    x: Any,
-    ys: Any,
-    targets: jax.Array,
-    scale: float | jax.Array,
-    bias: float | jax.Array,
-    block_size: int,
-    axis_name: AxisName,
-    *,
-    score: Score = Dot,
-    mask: tuple | None = None,
-) -> jax.Array:
-    """Per-row losses of this device's ``x`` against the ``ys`` of every device on the ring.
+def rows(tiles: Tiles, axis_name: AxisName) -> jax.Array:
+    """Per-row losses of this device's rows against the columns of every device on the ring.
 
     Args:
-      kind: the row-wise loss (``_strategies.Softmax`` or ``_strategies.Sigmoid``).
-      x: this device's queries, ``[n, d]`` (or rows of ``score``).
-      ys: this device's candidates, ``[m, d]`` (the same ``m`` on every device).
-      targets: the index into *this device's* ``ys`` of each query's positive.
-      scale: logit multiplier (scalar, differentiable).
-      bias: added to every logit (scalar, differentiable).
-      block_size: rows per tile on either side, within a device.
+      tiles: this device's tiles (``_blockwise.Tiles``): its queries ``x`` (``[n, d]``,
+        or rows of the score), its candidates ``ys`` (``[m, d]``, the same ``m`` on
+        every device), the index into *this device's* ``ys`` of each query's positive,
+        the scalars (differentiable), the rows per tile within a device, and the
+        mask: this device's rows' and columns' metadata (the columns' travel with
+        ``ys``), or None: every pair.
       axis_name: the ``shard_map``/``pmap`` axis (or tuple of axes) of the ring.
-      score: how a tile is scored (``_scores.Dot`` or ``_scores.MaxSim``).
-      mask: ``(rule, rows_meta, cols_meta)`` (``_masks``), this device's rows' and
-        columns' metadata (the columns' travel with ``ys``), or None: every pair.
 
     Returns:
       The per-query losses, ``[n]``. Differentiates like this device's rows' losses
       (``ys``'s gradient sums every device's contribution, as an all-gather's would).
     """
+    kind, block, x, ys, targets, scale, bias, mask, score = tiles
     acc = _blockwise.accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
     scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
     rule, *meta = mask or (None, None, None)
-    ring = Ring(_blockwise.Form(kind, score, block_size, rule), axis_name)
+    ring = Ring(_blockwise.Form(kind, score, block, rule), axis_name)
     meta = None if rule is None else tuple(meta)
     return _vjp.rowwise(ring, Inputs(x, ys, targets, scale, bias, meta))

@@ -150,22 +150,16 @@ def _backward(plan: RingPlan, inputs: Inputs, stats: tuple, g: jax.Array):
     return grads, dscale, dalpha[0] if dalpha else None
 
 
-def rows(
-    spec: Spec,
-    options: _options.Options,
-    x: jax.Array,
-    y: jax.Array,
-    scale: Any,
-    block_size: int,
-    axis_name: AxisName,
-    count: Any = None,
-) -> jax.Array:
+def rows(spec: Spec, options: _options.Options, x, y, scale, where: Any) -> jax.Array:
     """Per-query losses of this device's rows against every device's, on the ring.
 
-    ``options``' ids, guide and bank are this device's rows' (split like ``x`` and
-    ``y``); ``count``: the bank's (its slots filled).
+    ``options``' ids, guide and bank (its count set) are this device's rows' (split
+    like ``x`` and ``y``); ``where``: a ``_common.Where`` (``block_size`` None: one
+    tile per travelling block).
     """
-    n = len(x)
+    n, axis_name = len(x), where.axis_name
+    block_size = where.block(max(n, len(y)))
+    count = None if options.bank is None else options.bank.count
     offset = _distributed.axis_index_offset(n, axis_name)
     meta = _options.metadata(options, spec, offset, offset)
     sides = Sides(x=x, y=y)

@@ -85,9 +85,9 @@ def sigmoid_loss(
     }
 
     def local(x, y, logit_scale, logit_bias, *, axis_name, ring, extras=None):
-        scale, kind = jnp.exp(logit_scale), _strategies.Sigmoid
-        args = (kind, x, y, 1, scale, logit_bias, block_size, axis_name, ring)
-        per_row = _common.rows(*args, ids=extras)
+        where = _common.Where(block_size, axis_name, ring)
+        scalars = (jnp.exp(logit_scale), logit_bias)
+        per_row = _common.rows(_strategies.Sigmoid, x, y, scalars, where, extras)
         num_rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, num_rows, reduction, axis_name)
 
