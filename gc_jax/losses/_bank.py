@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses._masks import Meta
-from gc_jax.losses._tiles import Firsts, Repeated
+from gc_jax.losses._engine.masks import Meta
+from gc_jax.losses._engine.tiles import Firsts, Repeated
 
 
 class Bank(NamedTuple):

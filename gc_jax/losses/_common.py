@@ -17,7 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _options, _ring, _strategies, _tiles
+from gc_jax.losses import _options
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import ring as _ring
+from gc_jax.losses._engine import strategies as _strategies
+from gc_jax.losses._engine import tiles as _tiles
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")

@@ -8,17 +8,12 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import (
-    _bank,
-    _blockwise,
-    _common,
-    _docs,
-    _families,
-    _options,
-    _ring_families,
-)
+from gc_jax.losses import _bank, _common, _docs, _options
 from gc_jax.losses._bank import Bank
-from gc_jax.losses._masks import Sides
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import families as _families
+from gc_jax.losses._engine import ring_families as _ring_families
+from gc_jax.losses._engine.masks import Sides, Targets
 
 
 @_docs.shared_docs
@@ -276,7 +271,7 @@ def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
     or ring form."""
     n, (block_size, axis_name, ring) = len(x), where
     if ring:
-        return _ring_families.rows(spec, options, x, y, scale, where)
+        return _ring_rows(spec, options, x, y, scale, where)
     count = None if options.bank is None else options.bank.count
     if options.bank is not None:  # the count: a scalar, not one of the bank's rows
         options = options._replace(bank=options.bank._replace(count=None))
@@ -300,3 +295,23 @@ def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
     if block_size is not None:
         return _families.blockwise(spec, block_size, sides, scale, meta)
     return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)
+
+
+def _ring_rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
+    """Per-query losses on the ring: this device's sides and metadata, the columns'
+    travelling with their blocks; the targets index this device's own block."""
+    n, axis_name = len(x), where.axis_name
+    count = None if options.bank is None else options.bank.count
+    offset = _distributed.axis_index_offset(n, axis_name)
+    meta = _options.metadata(options, spec, offset, offset)
+    sides = Sides(x=x, y=y)
+    if options.bank is not None:  # this device's bank: its blocks travel like y's
+        ids = (options.query_ids is not None, options.doc_ids is not None)
+        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
+    local = jnp.arange(n)  # into this device's own block
+    used = {f.target for f in spec.families}
+    targets = Targets(first=local * spec.k if "first" in used else None,
+                      self=local if "self" in used else None)  # fmt: skip
+    meta = meta._replace(targets=targets)
+    plan = _ring_families.RingPlan(spec, where.block(max(n, len(y))), axis_name)
+    return _ring_families.call(plan, _families.Inputs(sides, scale, meta))

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _common, _docs, _options, _ring
-from gc_jax.losses._scores import MaxSim, Side
-from gc_jax.losses._strategies import Softmax
+from gc_jax.losses import _common, _docs, _options
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import ring as _ring
+from gc_jax.losses._engine.scores import MaxSim, Side
+from gc_jax.losses._engine.strategies import Softmax
 
 
 @_docs.shared_docs

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _narrow
-from gc_jax.losses._families import Family, Spec
-from gc_jax.losses._masks import Mask, Meta, Metadata, Rule, Sides, Targets
-from gc_jax.losses._tiles import Firsts, Repeated
+from gc_jax.losses._engine.families import Family, Spec
+from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.tiles import Firsts, Repeated
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _options, _strategies
+from gc_jax.losses import _common, _docs, _options
+from gc_jax.losses._engine import strategies as _strategies
 
 
 @_docs.shared_docs

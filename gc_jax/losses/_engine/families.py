@@ -22,10 +22,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax.losses import _blockwise, _sweeps, _tiles, _vjp
-from gc_jax.losses._masks import Mask, Meta, Metadata, Rule, Sides
-from gc_jax.losses._strategies import Softmax
-from gc_jax.losses._tiles import Firsts
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import sweeps as _sweeps
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine import vjp as _vjp
+from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides
+from gc_jax.losses._engine.strategies import Softmax
+from gc_jax.losses._engine.tiles import Firsts
 
 Scalar = jax.Array
 

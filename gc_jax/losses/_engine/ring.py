@@ -42,9 +42,11 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _tiles, _vjp
-from gc_jax.losses._blockwise import Form, Inputs, Tiles
-from gc_jax.losses._order import after
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine import vjp as _vjp
+from gc_jax.losses._engine.blockwise import Form, Inputs, Tiles
+from gc_jax.losses._engine.order import after
 
 Scalar = jax.Array
 

@@ -22,15 +22,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses import _bank, _blockwise, _families, _options, _sweeps, _tiles, _vjp
-from gc_jax.losses._families import Inputs, Spec, targets_of
-from gc_jax.losses._masks import Mask, Sides, Targets
-from gc_jax.losses._order import after, after_on_cpu
-from gc_jax.losses._ring import around, around_back
-from gc_jax.losses._strategies import Softmax
-from gc_jax.losses._tiles import Firsts
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import families as _families
+from gc_jax.losses._engine import sweeps as _sweeps
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine import vjp as _vjp
+from gc_jax.losses._engine.families import Inputs, Spec, targets_of
+from gc_jax.losses._engine.masks import Mask, Sides
+from gc_jax.losses._engine.order import after, after_on_cpu
+from gc_jax.losses._engine.ring import around, around_back
+from gc_jax.losses._engine.strategies import Softmax
+from gc_jax.losses._engine.tiles import Firsts
 
 
 def _passes(spec: Spec) -> tuple[str, ...]:
@@ -150,27 +153,13 @@ def _backward(plan: RingPlan, inputs: Inputs, stats: tuple, g: jax.Array):
     return grads, dscale, dalpha[0] if dalpha else None
 
 
-def rows(spec: Spec, options: _options.Options, x, y, scale, where: Any) -> jax.Array:
+def call(plan: RingPlan, inputs: Inputs) -> jax.Array:
     """Per-query losses of this device's rows against every device's, on the ring.
 
-    ``options``' ids, guide and bank (its count set) are this device's rows' (split
-    like ``x`` and ``y``); ``where``: a ``_common.Where`` (``block_size`` None: one
-    tile per travelling block).
+    ``inputs``: this device's sides (its bank's too: their blocks travel like ``y``'s)
+    and their metadata, the targets indexing this device's own block.
     """
-    n, axis_name = len(x), where.axis_name
-    block_size = where.block(max(n, len(y)))
-    count = None if options.bank is None else options.bank.count
-    offset = _distributed.axis_index_offset(n, axis_name)
-    meta = _options.metadata(options, spec, offset, offset)
-    sides = Sides(x=x, y=y)
-    if options.bank is not None:  # this device's bank: its blocks travel like y's
-        ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
-    local = jnp.arange(n)  # into this device's own block
-    used = {f.target for f in spec.families}
-    targets = Targets(first=local * spec.k if "first" in used else None,
-                      self=local if "self" in used else None)  # fmt: skip
-    meta = meta._replace(targets=targets)
-    acc = _blockwise.accumulation_dtype(x, y, scale)
-    scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), x, y)
-    return _vjp.rowwise(RingPlan(spec, block_size, axis_name), Inputs(sides, scale, meta))
+    sides, scale, meta = inputs
+    acc = _blockwise.accumulation_dtype(sides.x, sides.y, scale)
+    scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), sides.x, sides.y)
+    return _vjp.rowwise(plan, Inputs(sides, scale, meta))

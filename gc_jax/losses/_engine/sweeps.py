@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gc_jax import _narrow
-from gc_jax.losses import _tiles
-from gc_jax.losses._tiles import (
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine.tiles import (
     Firsts,
     around,
     blocks,

@@ -38,12 +38,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax.losses import _strategies, _sweeps, _tiles, _vjp
-from gc_jax.losses._masks import Mask
-from gc_jax.losses._order import zero_after
-from gc_jax.losses._scores import Dot, Score
-from gc_jax.losses._strategies import Rows, Strategy
-from gc_jax.losses._tiles import (
+from gc_jax.losses._engine import strategies as _strategies
+from gc_jax.losses._engine import sweeps as _sweeps
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine import vjp as _vjp
+from gc_jax.losses._engine.masks import Mask
+from gc_jax.losses._engine.order import zero_after
+from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.strategies import Rows, Strategy
+from gc_jax.losses._engine.tiles import (
     blocks,
     count,
     first,
