@@ -170,6 +170,35 @@ def test_matches_the_float64_reference(name, method, block_size):
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize(("method", "block_size"), [(None, 3), ("ring", 1)])
+def test_hardness_strength_is_differentiated(method, block_size):
+    """d loss / d alpha with the bank's columns boosted too: the float64 reference's."""
+    if method is not None and jax.device_count() < D:
+        pytest.skip(f"needs {D} devices")
+    x, y, bank, static, _, _ = _case("in_batch_hardness")
+    static = dict(static)
+    alpha = static.pop("hardness_strength")
+    with jax.enable_x64(True):
+        to64 = lambda tree: jax.tree.map(lambda v: np.asarray(v, np.float64), tree)
+        bank64 = bank._replace(queries=to64(bank.queries), docs=to64(bank.docs))
+        ref = lambda a: reference(*to64((x, y)), 0.6, bank64, hardness_strength=a, **static)
+        want = np.asarray(jax.grad(ref)(np.float64(alpha)))
+    kw = {"temperature": 0.6, "block_size": block_size, **static}
+    grad = lambda x, y, a, bank: jax.grad(
+        lambda a: contrastive_loss(x, y, bank=bank, hardness_strength=a, **kw)
+    )(a)
+    if method is None:
+        got = jax.jit(grad)(x, y, alpha, bank)
+    else:
+        kw |= {"method": method, "axis_name": "d"}
+        mesh = _mesh()
+        specs = (P("d"), P("d"), P(), Bank(P("d"), P("d"), None, None, P()))
+        grad = jax.shard_map(grad, mesh=mesh, in_specs=specs, out_specs=P())
+        got = jax.jit(grad)(*_put(mesh, (x, y)), alpha, _sharded(mesh, bank))
+    assert abs(float(want)) > 1e-2
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("method", ["gather", "ring"])
 def test_sharded_jit_explicit_axes(method):
     """Rows, ids and the bank sharded in their types: no axis_name, no shard_map."""

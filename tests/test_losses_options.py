@@ -137,6 +137,27 @@ def test_blockwise_is_the_dense_math_in_float64(name):
         chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def _float64(tree):
+    return jax.tree.map(lambda v: v.astype(jnp.float64) if v.dtype.kind == "f" else v, tree)
+
+
+@pytest.mark.parametrize("name", ["hard_negatives", "in_batch_hardness", "all_hardness_guided"])
+def test_hardness_strength_is_differentiated(name):
+    """d loss / d alpha, dense and blockwise, is jax.grad of the float64 reference's."""
+    with jax.enable_x64(True):
+        x, y, arrays = _float64(data(11, 3))
+        kw = options(name, arrays)
+        alpha = kw.pop("hardness_strength")
+        ref = lambda x, y, t, a: contrastive(x, y, t, hardness_strength=a, **kw)
+        want = jax.grad(ref, (0, 1, 2, 3))(x, y, 0.6, alpha)
+        assert abs(float(want[3])) > 1e-2
+        for block_size in (None, 4):
+            loss = lambda x, y, t, a, b=block_size: _loss(x, y, t, hardness_strength=a,
+                                                          block_size=b, **kw)  # fmt: skip
+            got = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(x, y, 0.6, alpha)
+            chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_symmetric_per_direction_is_clip_loss():
     """k = 1, query_to_doc and doc_to_query averaged: CLIP's loss at scale 1 / t."""
     x, y, _ = data(10, 1)
@@ -245,6 +266,14 @@ ERRORS = [
      "hardness_strength must be >= 0"),
     ({"hardness_mode": "all_negatives", "hardness_strength": jnp.ones(2)}, TypeError,
      "hardness_strength must be a real scalar"),
+    # Concrete arrays are checked as the floats are (issue 47).
+    ({"hardness_strength": jnp.asarray(5.0)}, ValueError, "pass hardness_mode= too"),
+    ({"hardness_mode": "all_negatives", "hardness_strength": jnp.asarray(-1.0)}, ValueError,
+     "hardness_strength must be >= 0"),
+    ({"hardness_mode": "all_negatives", "hardness_strength": jnp.asarray(True)}, TypeError,
+     "hardness_strength must be a real scalar, got one of dtype bool"),
+    ({"margin": jnp.asarray(0.2)}, ValueError, "margin and margin_strategy filter negatives"),
+    ({"temperature": jnp.ones(3)}, TypeError, "temperature must be a real scalar"),
 ]  # fmt: skip
 
 
@@ -252,6 +281,18 @@ ERRORS = [
 def test_errors_name_the_argument(kw, error, match):
     with pytest.raises(error, match=match):
         contrastive_loss(jnp.ones((4, 3)), jnp.ones((8, 3)), **kw)
+
+
+@pytest.mark.parametrize(("name", "kw", "match"), [
+    ("hardness_strength", {}, "hardness_strength is traced and hardness_mode is None"),
+    ("margin", {}, "margin is traced, and without a guide it must be 0"),
+])  # fmt: skip
+def test_traced_options_whose_value_decides_their_meaning_raise(name, kw, match):
+    """A traced value cannot be checked: where it decides whether the option is used,
+    the loss raises instead of ignoring it."""
+    loss = lambda v: contrastive_loss(jnp.ones((4, 3)), jnp.ones((8, 3)), **{name: v}, **kw)
+    with pytest.raises(TypeError, match=match):
+        jax.jit(loss)(0.5)
 
 
 # Memory: lowered and compiled from shapes only, never run.

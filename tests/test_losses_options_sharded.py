@@ -16,6 +16,7 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
@@ -92,6 +93,38 @@ def test_shard_map_matches_reference(name, k, method, block_size):
     )
     got = jax.jit(f)(*_put(mesh, (x, y)), 0.6, _put(mesh, arrays))
     chex.assert_trees_all_close(got, want, **BLOCK_TOL)
+
+
+@pytest.mark.parametrize(("name", "method", "block_size", "transform"), [
+    ("in_batch_hardness", "ring", 2, "shard_map"),
+    ("in_batch_hardness", "gather", None, "shard_map"),
+    ("all_hardness_guided", "ring", None, "shard_map"),
+    ("all_hardness_guided", "gather", 2, "shard_map"),
+    ("in_batch_hardness", "ring", 1, "jit"),
+])  # fmt: skip
+def test_hardness_strength_is_differentiated(name, method, block_size, transform):
+    """d loss / d alpha across devices, a replicated scalar's global gradient: jax.grad
+    of the float64 reference's."""
+    with jax.enable_x64(True):
+        f64 = lambda v: v.astype(jnp.float64) if v.dtype.kind == "f" else v
+        x, y, arrays = jax.tree.map(f64, data(D * N, 2, seed=3))
+        static, arrays = _split(options(name, arrays))
+        alpha = static.pop("hardness_strength")
+        ref = lambda a: contrastive(x, y, 0.6, hardness_strength=a, **static, **arrays)
+        want = jax.grad(ref)(alpha)
+        # Scalars as float64 arrays: under sharded jit a Python float becomes float32.
+        t, alpha = np.float64(0.6), np.float64(alpha)
+        kw = {"block_size": block_size, "method": method, "temperature": t, **static}
+        grad = lambda x, y, a, arrays: jax.grad(
+            lambda a: contrastive_loss(x, y, hardness_strength=a, **kw, **arrays)
+        )(a)
+        mesh = _mesh()
+        if transform == "shard_map":
+            kw["axis_name"] = "d"
+            specs = (P("d"), P("d"), P(), P("d"))
+            grad = jax.shard_map(grad, mesh=mesh, in_specs=specs, out_specs=P())
+        got = jax.jit(grad)(*_put(mesh, (x, y)), alpha, _put(mesh, arrays))
+        chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("transform", ["pmap", "shard_map_untyped"])

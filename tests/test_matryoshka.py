@@ -249,6 +249,19 @@ def test_cached_value_and_grad_with_a_key_per_step():
     chex.assert_trees_all_close(got, jax.jit(jax.value_and_grad(full))(params), **TOL)
 
 
+def test_weights_may_be_an_array_traced_and_differentiated():
+    """``weights`` as a ``[len(dims)]`` array: the same loss, and under jit its gradient."""
+    x, y = rows(6)
+    loss = functools.partial(contrastive_loss, temperature=0.3)
+    want = value_and_grads(reference(loss), x, y)
+    got = value_and_grads(matryoshka(loss, DIMS, weights=jnp.asarray(WEIGHTS)), x, y)
+    chex.assert_trees_all_close(got, want, **TOL)
+    total = lambda w: matryoshka(loss, DIMS, weights=w)(x, y)
+    per_width = [reference(loss, (m,), (1.0,))(x, y) for m in DIMS]
+    chex.assert_trees_all_close(jax.jit(jax.grad(total))(jnp.asarray(WEIGHTS)),
+                                jnp.stack(per_width), **TOL)  # fmt: skip
+
+
 # Validation: errors name the argument.
 
 
@@ -265,6 +278,8 @@ def test_cached_value_and_grad_with_a_key_per_step():
             {"dims": (8, 4), "weights": (1.0,)},
             r"weights must hold one weight per width .*\(2\), got 1",
         ),
+        ({"dims": (8, 4), "weights": jnp.ones(3)}, r"real array of shape \(2,\), got float32"),
+        ({"dims": (8, 4), "weights": (1.0, jnp.ones(2))}, r"weights\[1\] must be a real scalar"),
         ({"dims": (8, 4), "n_dims_per_step": 0}, "n_dims_per_step must be a positive int"),
         ({"dims": (8, 4), "argnums": (-1,)}, "argnums must be the positions"),
     ],

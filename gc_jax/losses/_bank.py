@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed
 from gc_jax._base import AxisName
-from gc_jax.losses._tiles import Firsts, Repeated
+from gc_jax.losses._engine.masks import Meta
+from gc_jax.losses._engine.tiles import Firsts, Repeated
 
 
 class Bank(NamedTuple):
@@ -235,31 +236,41 @@ def check_bank(bank: Any, x: jax.Array, y: jax.Array, k: int, options: Any) -> B
     return bank._replace(queries=stop(bank.queries), docs=stop(bank.docs))
 
 
-def columns(bank: Bank) -> dict:
-    """The bank's columns: ``{"bx": [n * steps, d], "by": [n * steps * k, d]}``."""
+def columns(bank: Bank) -> tuple[jax.Array, jax.Array]:
+    """The bank's columns: queries ``[n * steps, d]`` and documents ``[n * steps * k, d]``
+    (the sides ``bx`` and ``by`` of a loss)."""
     d = bank.queries.shape[-1]
-    return {"bx": bank.queries.reshape(-1, d), "by": bank.docs.reshape(-1, d)}
+    return bank.queries.reshape(-1, d), bank.docs.reshape(-1, d)
 
 
-def metadata(bank: Bank, offset: Any, count: Any, ids: tuple[bool, bool]) -> dict:
+def metadata(bank: Bank, offset: Any, count: Any, ids: tuple[bool, bool]) -> tuple[Meta, Meta]:
     """What the bank's columns' masks read: offsets, which slots are filled, ids.
 
     ``offset``: the global index of the first query row of ``bank`` (0 gathered);
-    ``ids``: whether the loss masks by query ids, by document ids.
+    ``ids``: whether the loss masks by query ids, by document ids. Returns the
+    :class:`_masks.Meta` of its queries' and documents' columns.
     """
     n, steps, _ = bank.queries.shape
     k = bank.k
     live = jnp.broadcast_to(jnp.arange(steps) < count, (n, steps))
-    col_x = {"offset": offset * steps, "live": live.reshape(-1)}
-    col_y = {"offset": offset * steps * k, "live": jnp.repeat(live.reshape(-1), k)}
+    col_x = Meta(offset=offset * steps, live=live.reshape(-1))
+    col_y = Meta(offset=offset * steps * k, live=jnp.repeat(live.reshape(-1), k))
     if ids[1]:
         pid = bank.doc_ids.reshape(n * steps * k, -1)
-        col_x["pid"], col_y["pid"] = Firsts(pid, k), pid
+        col_x, col_y = col_x._replace(pid=Firsts(pid, k)), col_y._replace(pid=pid)
     if ids[0]:
         qid = bank.query_ids.reshape(n * steps, -1)
-        col_x["qid"] = qid
-        col_y["qid"] = Repeated(qid, k) if k > 1 else qid
-    return {"bx": col_x, "by": col_y}
+        col_x = col_x._replace(qid=qid)
+        col_y = col_y._replace(qid=Repeated(qid, k) if k > 1 else qid)
+    return col_x, col_y
+
+
+def with_columns(bank: Bank, sides: Any, meta: Any, offset: Any, count: Any, ids: tuple):
+    """``(sides, meta)`` (``_masks.Sides``, ``_masks.Metadata``) with the bank's columns
+    and their metadata as the sides ``bx`` and ``by`` (arguments as :func:`metadata`)."""
+    bx, by = columns(bank)
+    mx, my = metadata(bank, offset, count, ids)
+    return sides._replace(bx=bx, by=by), meta._replace(cols=meta.cols._replace(bx=mx, by=my))
 
 
 def gathered(bank: Bank, axis_name: AxisName | None) -> Bank:

@@ -62,6 +62,7 @@ def clip_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=False)
+    _options.real_scalar(logit_scale, "logit_scale")
     options = _options.Options(
         ("query_to_doc", "doc_to_query"),
         "per_direction",

@@ -9,7 +9,7 @@ per-row losses into the global loss.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _masks, _ring, _strategies, _tiles
+from gc_jax.losses import _options
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import ring as _ring
+from gc_jax.losses._engine import strategies as _strategies
+from gc_jax.losses._engine import tiles as _tiles
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -101,6 +105,26 @@ def check_options(reduction: str, block_size: Any, method: Any) -> tuple[int | N
     return block_size, method
 
 
+class Where(NamedTuple):
+    """Where and how a loss's per-device body scores its rows (static).
+
+    Attributes:
+      block_size: rows per tile (None: the dense form; on the ring, one tile per
+        travelling block).
+      axis_name: the devices' axis (None: one device, or every array whole under
+        ``jit`` over a mesh).
+      ring: the other side travels around the devices (else it is gathered).
+    """
+
+    block_size: int | None
+    axis_name: AxisName | None
+    ring: bool
+
+    def block(self, rows: int) -> int:
+        """Rows per tile: ``block_size``, or ``rows`` (one tile) without one."""
+        return self.block_size or rows
+
+
 def num_devices(axis_name: AxisName | None) -> int:
     """How many devices share the batch along ``axis_name`` (1 without one)."""
     return 1 if axis_name is None else jax.lax.axis_size(axis_name)
@@ -137,28 +161,35 @@ def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
     return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
 
 
-def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring, ids=None) -> jax.Array:
+def rows(kind, x, y, scalars, where: Where, ids=None, *, k: int = 1) -> jax.Array:
     """Per-row losses of this device's ``x`` against every device's ``y``, ring or gathered.
 
-    ``ids``: ``{"qid": query ids or None, "pid": document ids or None}`` (``[rows, w]``,
-    split like ``x`` and ``y``): a pair whose ids match, other than a row's positive, is
-    dropped (``_masks.Rule``)."""
-    n = x.shape[0]
-    ids = {key: v for key, v in (ids or {}).items() if v is not None}
+    ``scalars``: ``(scale, bias)``; ``k``: rows of ``y`` per row of ``x``. ``ids``:
+    ``{"qid": query ids or None, "pid": document ids or None}`` (``[rows, w]``, split
+    like ``x`` and ``y``): a pair whose ids match, other than a row's positive, is
+    dropped (``_options.id_mask``)."""
+    n, (scale, bias), (block_size, axis_name, ring) = x.shape[0], scalars, where
+    ids = _options.Options(query_ids=(ids or {}).get("qid"), doc_ids=(ids or {}).get("pid"))
     if ring:
-        block = block_size or max(n, y.shape[0])  # dense: one tile per travelling block
-        mask = _id_mask(ids, k, _offset(n, axis_name), lambda v: v)
+        block = where.block(max(n, y.shape[0]))  # dense: one tile per travelling block
+        offset = _offset(n, axis_name)
+        mask = _options.id_mask(ids, k, offset, offset)
         targets = jnp.arange(n) * k
-        return _ring.rows(kind, x, y, targets, scale, bias, block, axis_name, mask=mask)
+        tiles = _blockwise.Tiles(kind, block, x, y, targets, scale, bias, mask)
+        return _ring.rows(tiles, axis_name)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
-    whole = lambda v: _layout.reshard_typed(v, P())
-    cols = (lambda v: _gather(v, axis_name)) if axis_name is not None else whole
-    rows_ids = ids if axis_name is not None else {key: whole(v) for key, v in ids.items()}
-    mask = _id_mask(rows_ids, k, _offset(n, axis_name), cols, col_offset=0)
+    if axis_name is None:  # jit over a mesh: every array whole
+        whole = lambda v: _layout.reshard_typed(v, P())
+        ids, cols = ids.map_arrays(whole), None
+    else:
+        cols = ids.map_arrays(lambda v: _gather(v, axis_name))
+    mask = _options.id_mask(ids, k, _offset(n, axis_name), 0, cols)
     x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
-        return _blockwise.call(kind, x, ys, targets, scale, bias, block_size, mask=mask)
+        return _blockwise.call(
+            _blockwise.Tiles(kind, block_size, x, ys, targets, scale, bias, mask)
+        )
     logits = _logits(x, ys, scale, bias)
     positive = jnp.arange(ys.shape[0]) == targets[:, None]
     keep = None if mask is None else _dense_keep(mask, n, ys.shape[0])
@@ -176,26 +207,6 @@ def rows(kind, x, y, k, scale, bias, block_size, axis_name, ring, ids=None) -> j
 def _offset(rows: int, axis_name: AxisName | None) -> Any:
     """The global index of this device's first row (0 without ``axis_name``)."""
     return 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
-
-
-def _id_mask(ids: dict, k: int, offset: Any, cols: Callable, col_offset: Any = None):
-    """``(rule, rows_meta, cols_meta)`` dropping pairs whose ids match, or None.
-
-    ``cols`` makes the columns' ids from this device's (a gather, or nothing on the
-    ring, where they travel); ``col_offset``: the global index of their first query
-    (default: this device's, ``offset``)."""
-    if not ids:
-        return None
-    col_offset = offset if col_offset is None else col_offset
-    rule = _masks.Rule(protect="first", docs=True, k=k)
-    rows_meta, cols_meta = {"offset": offset}, {"offset": col_offset * k}
-    if "pid" in ids:
-        rows_meta["pid"] = _tiles.Firsts(ids["pid"], k) if k > 1 else ids["pid"]
-        cols_meta["pid"] = cols(ids["pid"])
-    if "qid" in ids:
-        rows_meta["qid"] = ids["qid"]
-        cols_meta["qid"] = _tiles.Repeated(cols(ids["qid"]), k) if k > 1 else cols(ids["qid"])
-    return _masks.Mask(rule, rows_meta, cols_meta)
 
 
 def _dense_keep(mask: tuple, n: int, m: int) -> jax.Array:

@@ -8,16 +8,12 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import (
-    _bank,
-    _blockwise,
-    _common,
-    _docs,
-    _families,
-    _options,
-    _ring_families,
-)
+from gc_jax.losses import _bank, _common, _docs, _options
 from gc_jax.losses._bank import Bank
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import families as _families
+from gc_jax.losses._engine import ring_families as _ring_families
+from gc_jax.losses._engine.masks import Sides, Targets
 
 
 @_docs.shared_docs
@@ -100,7 +96,7 @@ def contrastive_loss(
         devices; no gradient reaches them), or None.
       margin_strategy: ``"absolute"`` or ``"relative"`` (with ``guide``).
       margin: the guide's margin (with ``guide``; ``0``: drop what it scores above
-        the positive).
+        the positive). It only moves the guide's thresholds: no gradient reaches it.
       docs_per_query: ``k``, the rows of ``y`` per query (default ``len(y) //
         len(x)``). Required, when ``k > 1``, under ``pmap`` and
         ``shard_map(check_vma=False)``, where this device's documents cannot be told
@@ -112,7 +108,9 @@ def contrastive_loss(
         query's documents) or ``"all_negatives"`` (every document but the positive),
         in ``query_to_doc`` only; or None.
       hardness_strength: ``alpha`` above, ``>= 0`` (EmbeddingGemma uses 5 with hard
-        negatives; Lan et al. 2025 use 9 in batch).
+        negatives; Lan et al. 2025 use 9 in batch). May be a traced parameter, which
+        is differentiated (``s_raw`` is not) but cannot be checked: a traced strength
+        needs ``hardness_mode`` (without one it raises rather than be ignored).
       bank: a :class:`Bank` of earlier steps' queries and documents (ContAccum, MoCo),
         extra negatives without gradient: ``query_to_doc`` and ``doc_to_doc`` also
         sum over the bank's documents, ``query_to_query`` and ``doc_to_query`` over
@@ -215,6 +213,7 @@ def contrastive_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=True)
+    _options.real_scalar(temperature, "temperature")
     k = _common.docs_per_query(len(x), len(y), docs_per_query, axis_name)
     options = _options.Options(
         _options.check_directions(directions, partition_mode),
@@ -249,8 +248,10 @@ def with_options(
 
     def local_options(x, y, temperature, margin, alpha, *count, extras, axis_name, ring):
         opts = options._replace(margin=margin, hardness_strength=alpha, **extras)
-        scale, count = scale_of(temperature), count[0] if count else None
-        per_row = _rows(spec, opts, x, y, scale, block_size, axis_name, ring, count)
+        if count:  # the bank's count travels as a scalar
+            opts = opts._replace(bank=opts.bank._replace(count=count[0]))
+        scale, where = scale_of(temperature), _common.Where(block_size, axis_name, ring)
+        per_row = _rows(spec, opts, x, y, scale, where)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
@@ -260,35 +261,57 @@ def with_options(
     scalars = (temperature, options.margin, jnp.asarray(options.hardness_strength, float))
     if options.bank is not None:
         extras["bank"] = options.bank
-        sides += tuple(_bank.columns(options.bank).values())
+        sides += _bank.columns(options.bank)
         scalars += (jax.lax.stop_gradient(count),)
     return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
 
 
-def _rows(spec, options, x, y, scale, block_size, axis_name, ring, count) -> jax.Array:
-    """Per-query losses with ``options``, in the dense, blockwise or ring form."""
-    n = len(x)
+def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
+    """Per-query losses with ``options`` (its bank's count set), in the dense, blockwise
+    or ring form."""
+    n, (block_size, axis_name, ring) = len(x), where
     if ring:
-        block = block_size or max(n, len(y))  # dense: one tile per travelling block
-        return _ring_families.rows(spec, options, x, y, scale, block, axis_name, count)
+        return _ring_rows(spec, options, x, y, scale, where)
+    count = None if options.bank is None else options.bank.count
+    if options.bank is not None:  # the count: a scalar, not one of the bank's rows
+        options = options._replace(bank=options.bank._replace(count=None))
     acc = _blockwise.accumulation_dtype(x, y, scale)
     if axis_name is None:  # one device, or jit over a mesh: every array whole
         whole = lambda v: _layout.reshard_typed(v, P())
         x, y, options = whole(x), whole(y), options.map_arrays(whole)
-        offset, cols, gathered = 0, options, {"cx": None, "cy": None}
+        offset, cols, gathered = 0, options, Sides()
     else:
         gather = lambda v: _distributed.all_gather(v, axis_name)
         offset = _distributed.axis_index_offset(n, axis_name)
         cols = options.map_arrays(gather)
         x_cols = any(f.cols == "x" for f in spec.families)
-        gathered = {"cx": gather(x) if x_cols else None, "cy": gather(y)}
+        gathered = Sides(cx=gather(x) if x_cols else None, cy=gather(y))
     meta = _options.metadata(options, spec, offset, 0, cols)
-    meta["targets"] = _options.targets(spec, offset, n)
-    sides = {"x": x, "y": y, **gathered}
+    meta = meta._replace(targets=_options.targets(spec, offset, n))
+    sides = gathered._replace(x=x, y=y)
     if options.bank is not None:  # every device's bank (gathered or whole): from row 0
         ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides |= _bank.columns(cols.bank)
-        meta["cols"] |= _bank.metadata(cols.bank, 0, count, ids)
+        sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
     if block_size is not None:
         return _families.blockwise(spec, block_size, sides, scale, meta)
     return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)
+
+
+def _ring_rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
+    """Per-query losses on the ring: this device's sides and metadata, the columns'
+    travelling with their blocks; the targets index this device's own block."""
+    n, axis_name = len(x), where.axis_name
+    count = None if options.bank is None else options.bank.count
+    offset = _distributed.axis_index_offset(n, axis_name)
+    meta = _options.metadata(options, spec, offset, offset)
+    sides = Sides(x=x, y=y)
+    if options.bank is not None:  # this device's bank: its blocks travel like y's
+        ids = (options.query_ids is not None, options.doc_ids is not None)
+        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
+    local = jnp.arange(n)  # into this device's own block
+    used = {f.target for f in spec.families}
+    targets = Targets(first=local * spec.k if "first" in used else None,
+                      self=local if "self" in used else None)  # fmt: skip
+    meta = meta._replace(targets=targets)
+    plan = _ring_families.RingPlan(spec, where.block(max(n, len(y))), axis_name)
+    return _ring_families.call(plan, _families.Inputs(sides, scale, meta))

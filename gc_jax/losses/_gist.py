@@ -74,6 +74,7 @@ def gist_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=True)
+    _options.real_scalar(temperature, "temperature")
     k = _common.docs_per_query(len(x), len(y), docs_per_query, axis_name)
     if guide is None:
         raise ValueError(

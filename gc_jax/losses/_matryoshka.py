@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def matryoshka(
@@ -54,7 +55,8 @@ def matryoshka(
         ``cached_value_and_grad`` (with ``argnums=(1, 2)``).
       dims: the widths, strictly decreasing, e.g. ``(768, 512, 256, 128, 64)``; the
         first is usually the representation's own (not required).
-      weights: one weight per width (default: 1 each).
+      weights: one weight per width (default: 1 each): floats, scalar arrays, or a
+        ``[len(dims)]`` array (which may be traced).
       normalize: rescale each truncated vector to unit length (see above).
       n_dims_per_step: if set, each call sums a random ``n_dims_per_step`` of the
         widths only (drawn without replacement from ``key``; weights are not
@@ -168,16 +170,36 @@ def _check_dims(dims: Any) -> tuple[int, ...]:
     return tuple(int(m) for m in dims)
 
 
-def _check_weights(weights: Any, n: int) -> tuple[float, ...]:
+def _check_weights(weights: Any, n: int) -> tuple[Any, ...]:
+    """One real scalar per width: a sequence of floats or scalar arrays, or a ``[n]``
+    array (concrete or traced: a weight only scales its width's loss)."""
     if weights is None:
         return (1.0,) * n
+    if hasattr(weights, "shape") and hasattr(weights, "dtype"):  # an array of weights
+        if tuple(weights.shape) != (n,) or not _real(weights.dtype):
+            raise ValueError(
+                f"weights must hold one weight per width of dims ({n}): a sequence, or a "
+                f"real array of shape ({n},), got {weights.dtype} of shape "
+                f"{tuple(weights.shape)}."
+            )
+        return tuple(weights[i] for i in range(n))
     if not isinstance(weights, Sequence) or isinstance(weights, str) or len(weights) != n:
         got = len(weights) if isinstance(weights, Sequence) else repr(weights)
         raise ValueError(
             f"weights must hold one weight per width of dims ({n}), got {got}; or pass "
             "weights=None for 1 each."
         )
+    for i, w in enumerate(weights):
+        dtype = getattr(w, "dtype", None)
+        bad = isinstance(w, bool) or np.ndim(w) != 0
+        bad = bad or (not _real(dtype) if dtype is not None else not np.isreal(w))
+        if bad:
+            raise ValueError(f"weights[{i}] must be a real scalar (a width's weight), got {w!r}.")
     return tuple(weights)
+
+
+def _real(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
 
 
 def _check_argnums(argnums: Any) -> tuple[int, ...]:

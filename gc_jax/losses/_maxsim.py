@@ -9,9 +9,11 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _common, _docs, _ring
-from gc_jax.losses._scores import MaxSim, Side
-from gc_jax.losses._strategies import Softmax
+from gc_jax.losses import _common, _docs, _options
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import ring as _ring
+from gc_jax.losses._engine.scores import MaxSim, Side
+from gc_jax.losses._engine.strategies import Softmax
 
 
 @_docs.shared_docs
@@ -94,6 +96,7 @@ def maxsim_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _check_tokens(q, d)
+    _options.real_scalar(temperature, "temperature")
     k = _common.docs_per_query(len(q), len(d), docs_per_query, axis_name, names=("q", "d"))
     x = Side(q, _mask(q_mask, q, "q_mask", "q"))
     y = Side(d, _mask(d_mask, d, "d_mask", "d"))
@@ -101,7 +104,7 @@ def maxsim_loss(
     def local(x, y, temperature, *, axis_name, ring):
         acc = jnp.promote_types(jnp.result_type(x.tokens, y.tokens, temperature), jnp.float32)
         scale = jnp.asarray(1.0 / temperature, acc)
-        per_row = _rows(x, y, k, scale, block_size, axis_name, ring)
+        per_row = _rows(x, y, k, scale, _common.Where(block_size, axis_name, ring))
         rows = len(x.tokens) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
@@ -109,13 +112,14 @@ def maxsim_loss(
     return _common.run(local, x, y, (temperature,), sides=tuple(y), **kw)
 
 
-def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.Array:
+def _rows(x: Side, y: Side, k: int, scale, where: _common.Where) -> jax.Array:
     """Per-row losses of this device's queries against every device's documents."""
-    n = len(x.tokens)
+    n, (block_size, axis_name, ring) = len(x.tokens), where
     if ring:
-        block = block_size or max(n, len(y.tokens))  # dense: one tile per travelling block
+        block = where.block(max(n, len(y.tokens)))  # dense: one tile per travelling block
         targets = jnp.arange(n) * k
-        return _ring.rows(Softmax, x, y, targets, scale, 0.0, block, axis_name, score=MaxSim)
+        tiles = _blockwise.Tiles(Softmax, block, x, y, targets, scale, 0.0, score=MaxSim)
+        return _ring.rows(tiles, axis_name)
     if axis_name is not None:
         y = Side(*(_distributed.all_gather(v, axis_name) for v in y))
     offset = 0 if axis_name is None else _distributed.axis_index_offset(n, axis_name)
@@ -124,7 +128,8 @@ def _rows(x: Side, y: Side, k: int, scale, block_size, axis_name, ring) -> jax.A
     (qt, dt), (qm, dm) = (_layout.gathered_scoring(a, b, whole) for a, b in zip(x, y, strict=True))
     x, y = Side(qt, qm), Side(dt, dm)
     if block_size is not None:
-        return _blockwise.call(Softmax, x, y, targets, scale, 0.0, block_size, score=MaxSim)
+        tiles = _blockwise.Tiles(Softmax, block_size, x, y, targets, scale, 0.0, score=MaxSim)
+        return _blockwise.call(tiles)
     logits = scale * MaxSim.raw(x, y, scale.dtype)[0]
     positive = jnp.arange(len(y.tokens)) == targets[:, None]
     return jax.nn.logsumexp(logits, axis=1) - jnp.sum(jnp.where(positive, logits, 0), axis=1)

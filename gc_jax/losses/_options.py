@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _narrow
-from gc_jax.losses._families import Family, Spec
-from gc_jax.losses._masks import Rule
-from gc_jax.losses._tiles import Firsts, Repeated
+from gc_jax.losses._engine.families import Family, Spec
+from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.tiles import Firsts, Repeated
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
@@ -131,16 +131,38 @@ def check_guide(guide: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.
     return tuple(jax.lax.stop_gradient(g) for g in guide)
 
 
+def real_scalar(value: Any, name: str) -> float | None:
+    """``value``'s float if it is known now (a Python or NumPy number, or a concrete
+    ``jax.Array``), None if it is traced; raises unless a real scalar."""
+    if isinstance(value, bool) or np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a real scalar, got {value!r}.")
+    dtype = getattr(value, "dtype", None)
+    real = lambda t: jnp.issubdtype(t, jnp.floating) or jnp.issubdtype(t, jnp.integer)
+    if dtype is not None and not real(dtype):
+        raise TypeError(f"{name} must be a real scalar, got one of dtype {dtype}.")
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if not np.isreal(value):
+        raise TypeError(f"{name} must be a real scalar, got {value!r}.")
+    return float(np.real(value))
+
+
 def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
-    """The guide's margin (a real scalar); raises if it is set without a guide."""
+    """The guide's margin (a real scalar, no gradient); raises if set without a guide.
+
+    It only moves the guide's thresholds, whose comparisons have a zero derivative:
+    ``stop_gradient`` says so. A traced margin without a guide raises (its value,
+    unknown here, decides whether it was set): pass a Python float.
+    """
     if strategy not in MARGIN_STRATEGIES:
         raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {strategy!r}.")
-    if isinstance(margin, bool) or np.ndim(margin) != 0:
-        raise TypeError(f"margin must be a real scalar, got {margin!r}.")
-    if not isinstance(margin, jax.Array) and not np.isreal(margin):
-        raise TypeError(f"margin must be a real scalar, got {margin!r}.")
-    margin_set = not isinstance(margin, jax.Array) and margin != 0
-    if guide is None and (strategy != "absolute" or margin_set):
+    value = real_scalar(margin, "margin")
+    if guide is None and value is None:
+        raise TypeError(
+            "margin is traced, and without a guide it must be 0 (a traced value cannot be "
+            "checked): pass guide=(guide_x, guide_y) too, or a Python float margin."
+        )
+    if guide is None and (strategy != "absolute" or value != 0):
         raise ValueError(
             "margin and margin_strategy filter negatives by a guide's scores: pass "
             "guide=(guide_x, guide_y) too, or leave them at their defaults."
@@ -149,20 +171,28 @@ def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
 
 
 def check_hardness(mode: Any, strength: Any) -> Any:
-    """The hardness strength (a scalar, no gradient); raises on a mode it does not know."""
+    """The hardness strength (a real scalar, differentiable); raises on a mode it does
+    not know, a negative strength, or one set without a mode.
+
+    A concrete ``jax.Array`` is checked as a float is; a traced one is not checked for
+    ``>= 0``, and raises without a mode (its value would decide whether it is ignored).
+    """
     if mode is not None and mode not in HARDNESS_MODES:
         raise ValueError(f"hardness_mode must be None or one of {HARDNESS_MODES}, got {mode!r}.")
-    if isinstance(strength, bool) or np.ndim(strength) != 0:
-        raise TypeError(f"hardness_strength must be a real scalar, got {strength!r}.")
-    if not isinstance(strength, jax.Array):
-        if not np.isreal(strength) or strength < 0:
-            raise ValueError(f"hardness_strength must be >= 0, got {strength!r}.")
-        if mode is None and strength != 0:
-            raise ValueError(
-                f"hardness_strength={strength!r} weights the negatives hardness_mode names: "
-                f"pass hardness_mode= too, one of {HARDNESS_MODES}."
-            )
-    return jax.lax.stop_gradient(jnp.asarray(strength, float))
+    value = real_scalar(strength, "hardness_strength")
+    if value is None and mode is None:
+        raise TypeError(
+            "hardness_strength is traced and hardness_mode is None, which ignores it: pass "
+            f"hardness_mode= too, one of {HARDNESS_MODES}, or a Python float strength."
+        )
+    if value is not None and value < 0:
+        raise ValueError(f"hardness_strength must be >= 0, got {strength!r}.")
+    if mode is None and value != 0:
+        raise ValueError(
+            f"hardness_strength={strength!r} weights the negatives hardness_mode names: "
+            f"pass hardness_mode= too, one of {HARDNESS_MODES}."
+        )
+    return jnp.asarray(strength, float)
 
 
 def spec(options: Options, k: int) -> Spec:
@@ -215,7 +245,7 @@ def metadata(
     offset: Any,
     col_offset: Any,
     cols: Options | None = None,
-) -> dict:
+) -> Metadata:
     """What the tiles' rules read, for this device's rows and the columns they meet.
 
     ``offset``: the global index of this device's first query; ``cols``: the options
@@ -224,31 +254,43 @@ def metadata(
     """
     cols = options if cols is None else cols
     k, qid, pid, guide = spec.k, options.query_ids, options.doc_ids, options.guide
-    row = {"offset": offset}
-    if pid is not None:
-        row["pid"] = Firsts(pid, k)
-    if qid is not None:
-        row["qid"] = qid
-    if options.hardness_mode is not None:
-        row["alpha"] = options.hardness_strength
-    rows = {"x": dict(row), "p": dict(row)}
+    alpha = None if options.hardness_mode is None else options.hardness_strength
+    row = Meta(offset=offset, pid=None if pid is None else Firsts(pid, k), qid=qid, alpha=alpha)
+    rows = Sides(x=row, p=row)
     if guide is not None:
-        row |= {"t": thresholds(guide, k), "margin": options.margin}
-        rows = {"x": {**row, "g": guide[0]}, "p": {**row, "g": Firsts(guide[1], k)}}
-    col_x, col_y = {"offset": col_offset}, {"offset": col_offset * k}
+        row = row._replace(t=thresholds(guide, k), margin=options.margin)
+        rows = Sides(x=row._replace(g=guide[0]), p=row._replace(g=Firsts(guide[1], k)))
+    col_x, col_y = Meta(offset=col_offset), Meta(offset=col_offset * k)
     if cols.doc_ids is not None:
-        col_x["pid"], col_y["pid"] = Firsts(cols.doc_ids, k), cols.doc_ids
+        col_x = col_x._replace(pid=Firsts(cols.doc_ids, k))
+        col_y = col_y._replace(pid=cols.doc_ids)
     if cols.query_ids is not None:
-        col_x["qid"] = cols.query_ids
-        col_y["qid"] = Repeated(cols.query_ids, k) if k > 1 else cols.query_ids
+        col_x = col_x._replace(qid=cols.query_ids)
+        col_y = col_y._replace(qid=Repeated(cols.query_ids, k) if k > 1 else cols.query_ids)
     if cols.guide is not None:
-        col_x["g"], col_y["g"] = cols.guide
-    used = {f.cols for f in spec.families}
-    return {"rows": rows, "cols": {s: c for s, c in (("x", col_x), ("y", col_y)) if s in used}}
+        col_x, col_y = col_x._replace(g=cols.guide[0]), col_y._replace(g=cols.guide[1])
+    scored = {f.cols for f in spec.families}
+    used = lambda side, meta: meta if side in scored else None
+    return Metadata(cols=Sides(x=used("x", col_x), y=used("y", col_y)), rows=rows)
 
 
-def targets(spec: Spec, offset: Any, n: int) -> dict:
-    """Each family's target columns, indexing the columns as :func:`metadata` numbers them."""
+def id_mask(options: Options, k: int, offset: Any, col_offset: Any, cols=None) -> Mask | None:
+    """The pairs the ids of ``options`` keep, queries ``x`` against documents ``y``
+    (``query_to_doc``'s rule and :func:`metadata`), or None without ids.
+
+    For the losses of one family of logits (``sigmoid_loss``); arguments as for
+    :func:`metadata`."""
+    if options.query_ids is None and options.doc_ids is None:
+        return None
+    rule = Rule(protect="first", docs=True, k=k)
+    meta = metadata(options, Spec((Family("x", "y", rule),), 1, k), offset, col_offset, cols)
+    return Mask(rule, meta.rows.x, meta.cols.y)
+
+
+def targets(spec: Spec, offset: Any, n: int) -> Targets:
+    """Each family's target columns, indexing the columns as :func:`metadata` numbers them
+    (``offset``: the global index of this device's first query)."""
     index = offset + jnp.arange(n)
-    every = {"first": index * spec.k, "self": index}
-    return {f.target: every[f.target] for f in spec.families if f.target is not None}
+    used = {f.target for f in spec.families}
+    return Targets(first=index * spec.k if "first" in used else None,
+                   self=index if "self" in used else None)  # fmt: skip

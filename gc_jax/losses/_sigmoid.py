@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _common, _docs, _options, _strategies
+from gc_jax.losses import _common, _docs, _options
+from gc_jax.losses._engine import strategies as _strategies
 
 
 @_docs.shared_docs
@@ -77,15 +78,17 @@ def sigmoid_loss(
     """
     block_size, method = _common.check_options(reduction, block_size, method)
     _common.check_pair(x, y, multiple=False)
+    _options.real_scalar(logit_scale, "logit_scale")
+    _options.real_scalar(logit_bias, "logit_bias")
     ids = {
         "qid": _options.check_ids(query_ids, len(x), "query_ids", "x"),
         "pid": _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
     }
 
     def local(x, y, logit_scale, logit_bias, *, axis_name, ring, extras=None):
-        scale, kind = jnp.exp(logit_scale), _strategies.Sigmoid
-        args = (kind, x, y, 1, scale, logit_bias, block_size, axis_name, ring)
-        per_row = _common.rows(*args, ids=extras)
+        where = _common.Where(block_size, axis_name, ring)
+        scalars = (jnp.exp(logit_scale), logit_bias)
+        per_row = _common.rows(_strategies.Sigmoid, x, y, scalars, where, extras)
         num_rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, num_rows, reduction, axis_name)
 

@@ -197,26 +197,26 @@ def first(i: jax.Array, size: int, rows: int) -> jax.Array:
 def logits(
     raw: jax.Array,
     targets: jax.Array | None,
-    start: jax.Array,
-    own: jax.Array,
-    scale: Scalar,
-    bias: Scalar,
-    keep: jax.Array | None = None,
-    boost: tuple[jax.Array, Scalar] | None = None,
+    cols: tuple[jax.Array, jax.Array],
+    scalars: tuple[Scalar, Scalar],
+    pairs: tuple[jax.Array | None, Any] = (None, None),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One tile's logits, valid pairs and targets, from its raw scores (``_scores``).
 
-    ``raw`` scores rows against key rows ``start ...``; columns before ``own`` belong to
-    the previous block and are masked out (``valid`` false, never a target). ``keep``
-    (``[rows, cols]``, from a mask rule) drops more pairs; it never drops a target.
-    ``targets`` None: no column is any row's target. ``boost``: ``(pairs, alpha)``
-    (``Rule.boost``), pairs whose logits gain ``alpha * raw``, a bias that is not
-    differentiated (``dz`` reaches ``raw`` through ``scale`` alone).
+    ``cols``: ``(start, own)``: ``raw`` scores rows against key rows ``start ...``, and
+    columns before ``own`` belong to the previous block and are masked out (``valid``
+    false, never a target). ``scalars``: ``(scale, bias)``. ``pairs``: ``(keep,
+    boost)`` of a mask rule (``_masks.Rule``), each None when it has none: ``keep``
+    (``[rows, cols]``) drops more pairs and never drops a target; ``boost``: ``(pairs,
+    alpha)``, pairs whose logits gain ``alpha * raw``, a bias through which ``raw`` is
+    not differentiated (``dz`` reaches ``raw`` through ``scale`` alone). ``targets``
+    None: no column is any row's target.
     """
+    (start, own), (scale, bias), (keep, boost) = cols, scalars, pairs
     z = scale * raw + bias
     if boost is not None:
-        pairs, alpha = boost
-        z = z + jnp.where(pairs, alpha * jax.lax.stop_gradient(raw), 0)
+        boosted, alpha = boost
+        z = z + jnp.where(boosted, alpha * jax.lax.stop_gradient(raw), 0)
     cols = start + jnp.arange(raw.shape[1])
     valid = (cols >= own)[None, :]
     if keep is not None:

@@ -35,19 +35,18 @@ accumulator backward.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses import _blockwise, _tiles
-from gc_jax.losses._blockwise import Form
-from gc_jax.losses._order import after
-from gc_jax.losses._scores import Dot, Score
-from gc_jax.losses._strategies import Strategy
+from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine import vjp as _vjp
+from gc_jax.losses._engine.blockwise import Form, Inputs, Tiles
+from gc_jax.losses._engine.order import after
 
 Scalar = jax.Array
 
@@ -118,106 +117,80 @@ def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: Axi
     return shift(acc, axis_name), state
 
 
-def _forward(form: Form, axis_name, x, ys, targets, scale, bias, meta):
-    """Per-row losses and statistics of this device's ``x`` against every device's ``ys``.
+class Ring(NamedTuple):
+    """The engine (``_vjp.Engine``) of one family of logits on a ring: ``form``'s
+    tiles of this device's rows against every device's columns, which travel around
+    ``axis_name`` (static, hashable). Its inputs are ``_blockwise.Inputs``, the columns'
+    metadata travelling with their block."""
 
-    ``meta``: ``(rows_meta, cols_meta)`` of ``form.rule`` (or None); the columns' travel
-    with their block of ``ys``."""
-    rows_meta, cols_meta = meta or (None, None)
+    form: Form
+    axis_name: AxisName
 
-    def visit(here, carry, own):  # another device's block holds no row's target
-        ys, cm = here
-        t, mask = targets if own else None, form.mask((rows_meta, cm))
-        return _blockwise.sweep(
-            form.kind, form.block, x, ys, t, scale, bias, carry, mask, score=form.score
-        )
+    def forward(self, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
+        """Per-row losses and statistics of this device's rows against every device's."""
+        form, (x, ys, targets, scale, bias, meta) = self.form, inputs
+        rows_meta, cols_meta = meta or (None, None)
 
-    carry = _blockwise.init(form.kind, x, ys, dtype=scale.dtype)
-    return form.kind.finish(around(visit, (ys, cols_meta), carry, axis_name))
+        def visit(here, carry, own):  # another device's block holds no row's target
+            ys, cm = here
+            t, mask = targets if own else None, form.mask((rows_meta, cm))
+            tiles = Tiles(form.kind, form.block, x, ys, t, scale, bias, mask, form.score)
+            return _blockwise.sweep(tiles, carry)
 
+        carry = _blockwise.init(form.kind, x, ys, dtype=scale.dtype)
+        return form.kind.finish(around(visit, (ys, cols_meta), carry, self.axis_name))
 
-def _backward(form: Form, axis_name, x, ys, targets, scale, bias, meta, stat, g):
-    """Cotangents of ``x, ys, scale, bias``; ``dys`` comes home after the full circle.
+    def backward(self, inputs: Inputs, stat: jax.Array, g: jax.Array) -> Inputs:
+        """Cotangents of ``inputs``; ``dys`` comes home after the full circle.
 
-    The block of ``ys`` travels whole (for MaxSim: tokens and mask) with its columns'
-    metadata; its gradient is that of ``form.score.leaf``."""
-    acc, score = scale.dtype, form.score
-    rows_meta, cols_meta = meta or (None, None)
+        The block of ``ys`` travels whole (for MaxSim: tokens and mask) with its
+        columns' metadata; its gradient is that of ``form.score.leaf``."""
+        form, (x, ys, targets, scale, bias, meta) = self.form, inputs
+        acc, score = scale.dtype, form.score
+        rows_meta, cols_meta = meta or (None, None)
 
-    def visit(here, behind, grads, own):  # both sweeps add into the buffers they carry
-        ys, cm = here
-        t, mask = targets if own else None, form.mask((rows_meta, cm))
-        dx, dscale, dbias = grads
-        args = (form.kind, form.block, x, ys, t, scale, bias, stat, g, mask)
-        dx, behind, ds, db = _blockwise.backward(*args, into=(dx, behind), score=score)
-        return behind, (dx, dscale + ds, dbias + db)
+        def visit(here, behind, grads, own):  # both sweeps add into the buffers they carry
+            ys, cm = here
+            t, mask = targets if own else None, form.mask((rows_meta, cm))
+            dx, dscale, dbias = grads
+            tiles = Tiles(form.kind, form.block, x, ys, t, scale, bias, mask, score)
+            dx, behind, ds, db = _blockwise.backward(tiles, stat, g, into=(dx, behind))
+            return behind, (dx, dscale + ds, dbias + db)
 
-    zero = _tiles.scalar_zero(x, acc, ys)
-    start = _tiles.zeros(score.leaf(ys), acc, x, ys)
-    grads = (_tiles.zeros(score.leaf(x), acc, x, ys), zero, zero)
-    dys, (dx, dscale, dbias) = around_back(visit, (ys, cols_meta), start, grads, axis_name)
-    dx, dscale, dbias = after((dx, dscale, dbias), dys)  # every ppermute before the psum
-    dx = dx.astype(score.leaf(x).dtype)
-    return dx, dys.astype(score.leaf(ys).dtype), dscale, dbias
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _rowwise(form, axis_name, x, ys, targets, scale, bias, meta):
-    return _forward(form, axis_name, x, ys, targets, scale, bias, meta)[0]
-
-
-def _rowwise_fwd(form, axis_name, x, ys, targets, scale, bias, meta):
-    loss, stat = _forward(form, axis_name, x, ys, targets, scale, bias, meta)
-    return loss, (x, ys, targets, scale, bias, meta, stat)
-
-
-def _rowwise_bwd(form, axis_name, res, g):
-    x, ys, targets, scale, bias, meta, stat = res
-    grads = _backward(form, axis_name, x, ys, targets, scale, bias, meta, stat, g)
-    dx, dys, dscale, dbias = grads
-    cotangent, none = _blockwise.cotangent, jax.tree.map(lambda _: None, meta)
-    return cotangent(form.score, x, dx), cotangent(form.score, ys, dys), None, dscale, dbias, none
+        zero = _tiles.scalar_zero(x, acc, ys)
+        start = _tiles.zeros(score.leaf(ys), acc, x, ys)
+        grads = (_tiles.zeros(score.leaf(x), acc, x, ys), zero, zero)
+        here = (ys, cols_meta)
+        dys, (dx, dscale, dbias) = around_back(visit, here, start, grads, self.axis_name)
+        dx, dscale, dbias = after((dx, dscale, dbias), dys)  # every ppermute before the psum
+        dx = dx.astype(score.leaf(x).dtype)
+        dys = dys.astype(score.leaf(ys).dtype)
+        cotangent, none = _blockwise.cotangent, jax.tree.map(lambda _: None, meta)
+        dx, dys = cotangent(score, x, dx), cotangent(score, ys, dys)
+        return Inputs(dx, dys, None, dscale, dbias, none)
 
 
-_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
-
-
-def rows(
-    kind: Strategy,
-    x: Any,
-    ys: Any,
-    targets: jax.Array,
-    scale: float | jax.Array,
-    bias: float | jax.Array,
-    block_size: int,
-    axis_name: AxisName,
-    *,
-    score: Score = Dot,
-    mask: tuple | None = None,
-) -> jax.Array:
-    """Per-row losses of this device's ``x`` against the ``ys`` of every device on the ring.
+def rows(tiles: Tiles, axis_name: AxisName) -> jax.Array:
+    """Per-row losses of this device's rows against the columns of every device on the ring.
 
     Args:
-      kind: the row-wise loss (``_strategies.Softmax`` or ``_strategies.Sigmoid``).
-      x: this device's queries, ``[n, d]`` (or rows of ``score``).
-      ys: this device's candidates, ``[m, d]`` (the same ``m`` on every device).
-      targets: the index into *this device's* ``ys`` of each query's positive.
-      scale: logit multiplier (scalar, differentiable).
-      bias: added to every logit (scalar, differentiable).
-      block_size: rows per tile on either side, within a device.
+      tiles: this device's tiles (``_blockwise.Tiles``): its queries ``x`` (``[n, d]``,
+        or rows of the score), its candidates ``ys`` (``[m, d]``, the same ``m`` on
+        every device), the index into *this device's* ``ys`` of each query's positive,
+        the scalars (differentiable), the rows per tile within a device, and the
+        mask: this device's rows' and columns' metadata (the columns' travel with
+        ``ys``), or None: every pair.
       axis_name: the ``shard_map``/``pmap`` axis (or tuple of axes) of the ring.
-      score: how a tile is scored (``_scores.Dot`` or ``_scores.MaxSim``).
-      mask: ``(rule, rows_meta, cols_meta)`` (``_masks``), this device's rows' and
-        columns' metadata (the columns' travel with ``ys``), or None: every pair.
 
     Returns:
       The per-query losses, ``[n]``. Differentiates like this device's rows' losses
       (``ys``'s gradient sums every device's contribution, as an all-gather's would).
     """
+    kind, block, x, ys, targets, scale, bias, mask, score = tiles
     acc = _blockwise.accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
     scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
     rule, *meta = mask or (None, None, None)
-    form = _blockwise.Form(kind, score, block_size, rule)
+    ring = Ring(_blockwise.Form(kind, score, block, rule), axis_name)
     meta = None if rule is None else tuple(meta)
-    return _rowwise(form, axis_name, x, ys, targets, scale, bias, meta)
+    return _vjp.rowwise(ring, Inputs(x, ys, targets, scale, bias, meta))

@@ -12,9 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gc_jax import _narrow
-from gc_jax.losses import _tiles
-from gc_jax.losses._scores import Dot
-from gc_jax.losses._tiles import (
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine.tiles import (
     Firsts,
     around,
     blocks,
@@ -32,41 +31,58 @@ from gc_jax.losses._tiles import (
 
 
 class Sweeps:
-    """The two sweeps of ``_blockwise.backward`` over one loss's tiles.
+    """The two sweeps of ``_blockwise.backward`` over one loss's tiles
+    (``_blockwise.Tiles``), given the forward's per-row statistic ``stat`` and the
+    per-row cotangents ``g``.
 
     ``score`` (``_scores``) scores a tile and sends its ``dz`` back to the rows: the
     gradients are those of ``score.leaf(x)`` and ``score.leaf(ys)``, the buffers
     shaped like them.
     """
 
-    def __init__(self, kind, block, x, ys, targets, scale, bias, stat, g, mask, score=Dot):
+    def __init__(self, tiles, stat, g):
+        kind, block, x, ys, targets, scale, bias, mask, score = tiles
         self.kind, self.x, self.ys, self.scale, self.bias = kind, x, ys, scale, bias
         self.score, self.n, self.m = score, count(x), count(ys)
         self.bq, self.bk = sizes(block, self.n, self.m)
         self.rule, rows_meta, self.cols_meta = mask or (None, None, None)
         self.rows = (x, targets, stat, g, rows_meta)
+        # A rule with hardness boosts some logits by ``alpha * raw``: its gradient too.
+        self.boosts = self.rule is not None and self.rule.hardness is not None
 
     def read_rows(self, rows, i):
         qs = first(i, self.bq, self.n)
         return read_tree(rows, qs, self.bq), _tiles.own_rows(qs, self.bq, i * self.bq), qs
 
     def tile_grad(self, row, qs, yk, ks, own, cm):
-        """A tile's raw scores, what its score keeps for the gradients, and ``dz``: a
-        block of queries against keys from ``ks``."""
+        """A tile's raw scores, what its score keeps for the gradients, ``dz`` and the
+        pairs its rule boosts (None without hardness): a block of queries against keys
+        from ``ks``."""
         xq, tq, sq, gq, rm = row
         keep = boost = None
         if self.rule is not None:
             keep = self.rule.keep(rm, cm, *self.positions(qs, ks))
             boost = self.rule.boost(rm, cm, *self.positions(qs, ks))
         raw, scored = self.score.raw(xq, yk, self.scale.dtype)
-        z, valid, pos = logits(raw, tq, ks, own, self.scale, self.bias, keep, boost)
-        return raw, scored, gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
+        z, valid, pos = logits(raw, tq, (ks, own), (self.scale, self.bias), (keep, boost))
+        dz = gq[:, None] * self.kind.dlogits(z, valid, pos, sq)
+        return raw, scored, dz, None if boost is None else boost[0]
+
+    def scalar_grads(self, scalars, dz, raw, boosted):
+        """``(dscale, dbias[, dalpha])`` plus one tile's: ``dalpha`` (with hardness) sums
+        ``dz * raw`` over the boosted pairs, whose logits gain ``alpha * raw``."""
+        dscale, dbias, *dalpha = scalars
+        out = (dscale + (dz * raw).sum(), dbias + dz.sum())
+        if boosted is None:
+            return out
+        return (*out, dalpha[0] + jnp.where(boosted, dz * raw, 0).sum())
 
     def positions(self, qs, ks):
         return qs + jnp.arange(self.bq), ks + jnp.arange(self.bk)
 
     def query_sweep(self, dx, add):
-        """``dx`` with each query block's gradient written (or added), and the scalars'.
+        """``dx`` with each query block's gradient written (or added), and the scalars':
+        ``(dx, dscale, dbias)``, and ``dalpha`` last with a rule's hardness.
 
         Adding, the block's current rows (for :class:`Firsts`, their slab) are read
         before its loop over keys and carried through it, so that they are a buffer of
@@ -79,11 +95,11 @@ class Sweeps:
             row, own, qs = self.read_rows(rows, i)
 
             def step(j, carry, ys, cols_meta):
-                dxq, dscale, dbias, *context = carry
+                dxq, scalars, *context = carry
                 ks = first(j, bk, m)
                 yk = read_tree(ys, ks, bk)
                 cm = read_tree(cols_meta, ks, bk)
-                raw, scored, dz = self.tile_grad(row, qs, yk, ks, j * bk, cm)
+                raw, scored, dz, boosted = self.tile_grad(row, qs, yk, ks, j * bk, cm)
                 grad = self.score.dx(scored, row[0], yk, dz, acc)
                 # Adding: rows of the previous block hold their share already.
                 keep = own.reshape(own.shape + (1,) * (grad.ndim - 2))  # [bq, 1, ...]
@@ -94,23 +110,24 @@ class Sweeps:
                 context = [
                     c + jnp.where(dxq[0, 0] > jnp.inf, 1, 0).astype(c.dtype) for c in context
                 ]
-                return dxq, dscale + (dz * raw).sum(), dbias + dz.sum(), *context
+                return dxq, self.scalar_grads(scalars, dz, raw, boosted), *context
 
-            dx, *scalars = carry
+            dx, scalars = carry
             if add:
                 context = around(dx, qs, bq)
-                init = (rows_in(dx, context).astype(acc), *scalars, context)
+                init = (rows_in(dx, context).astype(acc), scalars, context)
             else:
-                init = (_tiles.zeros(self.score.leaf(row[0]), acc, self.x, ys), *scalars)
-            dxq, *scalars = loop(step, blocks(m, bk), init, ys, cols_meta)
+                init = (_tiles.zeros(self.score.leaf(row[0]), acc, self.x, ys), scalars)
+            dxq, scalars, *context = loop(step, blocks(m, bk), init, ys, cols_meta)
             if not add:
-                return write(dx, (scale * dxq).astype(dx.dtype), qs), *scalars
-            *scalars, context = scalars
-            return update(dx, dxq.astype(dx.dtype), qs, context), *scalars
+                return write(dx, (scale * dxq).astype(dx.dtype), qs), scalars
+            return update(dx, dxq.astype(dx.dtype), qs, context[0]), scalars
 
         zero = _tiles.scalar_zero(self.ys, acc, self.x)
-        nq = blocks(self.n, bq)
-        return loop(query_block, nq, (dx, zero, zero), self.ys, self.cols_meta, *self.rows)
+        init = (dx, (zero,) * (3 if self.boosts else 2))
+        dx, scalars = loop(query_block, blocks(self.n, bq), init, self.ys, self.cols_meta,
+                           *self.rows)  # fmt: skip
+        return dx, *scalars
 
     def key_grad(self, j, yk, cols_meta, rows, init=None):
         """``dy`` of key block ``j`` (``[bk, d]``, zero in rows of the block before), or
@@ -122,7 +139,7 @@ class Sweeps:
 
         def step(i, dyk, *rows):
             row, own, qs = self.read_rows(rows, i)
-            _, scored, dz = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
+            _, scored, dz, _ = self.tile_grad(row, qs, yk, ks, j * self.bk, cm)
             grad = self.score.dy(scored, row[0], yk, jnp.where(own, dz, 0), acc)
             return dyk + (scale * grad if adding else grad)
 
@@ -163,12 +180,13 @@ class Sweeps:
         return dy
 
     def add_into(self, dx_buf, dy_buf):
-        """Adds both sweeps' gradients into the buffers: ``(dx_buf, dy_buf, dscale, dbias)``."""
-        dx_buf, dscale, dbias = self.query_sweep(dx_buf, add=True)
+        """Adds both sweeps' gradients into the buffers: ``(dx_buf, dy_buf, dscale, dbias)``
+        (and ``dalpha`` last, with a rule's hardness)."""
+        dx_buf, *scalars = self.query_sweep(dx_buf, add=True)
         zero = jnp.zeros((), jnp.int32)
         if dy_buf is None:  # the keys are rows of the array under dx_buf
             if isinstance(dx_buf, Firsts):
                 under = self.key_sweep(dx_buf.array, zero, add=True)
-                return Firsts(under, dx_buf.k), None, dscale, dbias
-            return self.key_sweep(dx_buf, zero, add=True), None, dscale, dbias
-        return dx_buf, self.key_sweep(dy_buf, zero, add=True), dscale, dbias
+                return Firsts(under, dx_buf.k), None, *scalars
+            return self.key_sweep(dx_buf, zero, add=True), None, *scalars
+        return dx_buf, self.key_sweep(dy_buf, zero, add=True), *scalars

@@ -33,19 +33,20 @@ gradients of ``x`` and ``ys`` come back in their own dtypes.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from gc_jax.losses import _strategies, _sweeps, _tiles
-from gc_jax.losses._masks import Mask
-from gc_jax.losses._order import zero_after
-from gc_jax.losses._scores import Dot, Score
-from gc_jax.losses._strategies import Rows, Strategy
-from gc_jax.losses._tiles import (
-    Firsts,
+from gc_jax.losses._engine import strategies as _strategies
+from gc_jax.losses._engine import sweeps as _sweeps
+from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine import vjp as _vjp
+from gc_jax.losses._engine.masks import Mask
+from gc_jax.losses._engine.order import zero_after
+from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.strategies import Rows, Strategy
+from gc_jax.losses._engine.tiles import (
     blocks,
     count,
     first,
@@ -59,28 +60,41 @@ from gc_jax.losses._tiles import (
 Scalar = jax.Array
 
 
-def sweep(
-    kind: Strategy,
-    block: int,
-    x: jax.Array | Firsts,
-    ys: jax.Array,
-    targets: jax.Array | None,
-    scale: Scalar,
-    bias: Scalar,
-    carry: Rows,
-    mask: Mask | None = None,
-    *,
-    score: Score = Dot,
-) -> Rows:
+class Tiles(NamedTuple):
+    """One row-wise loss's tiles: rows ``x`` scored against columns ``ys``.
+
+    Attributes:
+      kind: the strategy (``_strategies``), static.
+      block: rows per tile on either side, static.
+      x: the rows (of ``score``: an array, a ``_tiles`` view, or MaxSim's tokens).
+      ys: the columns.
+      targets: the column of each row's target, ``[rows]``, or None (no target here).
+      scale: the logits' multiplier, in the accumulation dtype.
+      bias: added to every logit, likewise.
+      mask: the pairs kept (``_masks.Mask``), or None: every pair.
+      score: how a tile is scored (``_scores``), static.
+    """
+
+    kind: Strategy
+    block: int
+    x: Any
+    ys: Any
+    targets: jax.Array | None
+    scale: Scalar
+    bias: Scalar
+    mask: Mask | None = None
+    score: Score = Dot
+
+
+def sweep(tiles: Tiles, carry: Rows) -> Rows:
     """``carry`` (one running statistic per row of ``x``) updated with every tile of ``ys``.
 
     A loop over query blocks, an inner one over ``ys``'s blocks. The rows a last,
     overlapping query block shares with the block before keep the values that block
     gave them (they would otherwise count ``ys`` twice). ``_ring`` calls this
-    once per block of ``ys`` that reaches the device. ``mask``: ``(rule, rows_meta,
-    cols_meta)``, the pairs each tile keeps (see ``_masks``); None keeps every pair.
-    ``score``: how a tile is scored (``_scores``); ``x`` and ``ys`` are its rows.
+    once per block of ``ys`` that reaches the device.
     """
+    kind, block, x, ys, targets, scale, bias, mask, score = tiles
     n, m = count(x), count(ys)
     bq, bk = sizes(block, n, m)
     rule, rows_meta, cols_meta = mask or (None, None, None)
@@ -93,9 +107,9 @@ def sweep(
 
         def step(j, rows, ys, cols_meta):
             ks = first(j, bk, m)
-            keep, boost = _pairs(rule, rm, cols_meta, qs, bq, ks, bk)
+            pairs = _pairs(rule, rm, cols_meta, (qs, bq), (ks, bk))
             raw, _ = score.raw(xq, read_tree(ys, ks, bk), scale.dtype)
-            z, valid, pos = logits(raw, tq, ks, j * bk, scale, bias, keep, boost)
+            z, valid, pos = logits(raw, tq, (ks, j * bk), (scale, bias), pairs)
             return kind.update(rows, z, valid, pos)
 
         after = loop(step, blocks(m, bk), before, ys, cols_meta)
@@ -106,11 +120,12 @@ def sweep(
     return loop(query_block, blocks(n, bq), carry, x, targets, ys, rows_meta, cols_meta)
 
 
-def _pairs(rule, rm, cols_meta, qs, bq, ks, bk) -> tuple:
-    """``rule``'s pairs of the tile at rows ``qs``, columns ``ks``: those it keeps and
-    those whose logits it boosts (each None when it has none)."""
+def _pairs(rule, rm, cols_meta, rows: tuple, cols: tuple) -> tuple:
+    """``rule``'s pairs of the tile at rows ``(first, count)``, columns likewise: those
+    it keeps and those whose logits it boosts (each None when it has none)."""
     if rule is None:
         return None, None
+    (qs, bq), (ks, bk) = rows, cols
     cm = read_tree(cols_meta, ks, bk)
     rows, cols = qs + jnp.arange(bq), ks + jnp.arange(bk)
     return rule.keep(rm, cm, rows, cols), rule.boost(rm, cm, rows, cols)
@@ -121,9 +136,26 @@ def init(kind: Strategy, x: Any, *others: Any, dtype: Any) -> Rows:
     return kind.init(_tiles.row_zeros(x, dtype, *others))
 
 
+class Inputs(NamedTuple):
+    """A one-family loss's inputs (a pytree): rows ``x`` and columns ``ys`` (of the
+    score), each row's target column in ``ys``, the scalars, and ``meta``: the rows'
+    and the columns' ``_masks.Meta`` (a pair), or None."""
+
+    x: Any
+    ys: Any
+    targets: jax.Array | None
+    scale: Scalar
+    bias: Scalar
+    meta: tuple | None
+
+
 class Form(NamedTuple):
     """What a row-wise loss computes, static (hashable): its strategy, its score, the
-    rows per tile and the rule of the pairs it keeps (``_masks``; None keeps all)."""
+    rows per tile and the rule of the pairs it keeps (``_masks``; None keeps all).
+
+    The engine (``_vjp.Engine``) of one family of logits on one device: one
+    :func:`sweep` forward, :func:`backward`'s two sweeps back.
+    """
 
     kind: Strategy
     score: Score = Dot
@@ -134,31 +166,30 @@ class Form(NamedTuple):
         """The :class:`Mask` of ``meta = (rows_meta, cols_meta)`` (None without a rule)."""
         return None if self.rule is None else Mask(self.rule, *meta)
 
+    def tiles(self, inputs: Inputs) -> Tiles:
+        """The tiles of ``inputs``."""
+        x, ys, targets, scale, bias, meta = inputs
+        return Tiles(self.kind, self.block, x, ys, targets, scale, bias, self.mask(meta),
+                     self.score)  # fmt: skip
 
-def _forward(form: Form, x, ys, targets, scale, bias, meta) -> tuple[jax.Array, jax.Array]:
-    """Per-row losses and statistics: one :func:`sweep` over all of ``ys``."""
-    carry = init(form.kind, x, ys, dtype=scale.dtype)
-    mask, score = form.mask(meta), form.score
-    rows = sweep(form.kind, form.block, x, ys, targets, scale, bias, carry, mask, score=score)
-    return form.kind.finish(rows)
+    def forward(self, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
+        """Per-row losses and statistics: one :func:`sweep` over all of ``ys``."""
+        carry = init(self.kind, inputs.x, inputs.ys, dtype=inputs.scale.dtype)
+        return self.kind.finish(sweep(self.tiles(inputs), carry))
+
+    def backward(self, inputs: Inputs, stat: jax.Array, g: jax.Array) -> Inputs:
+        """The cotangents of ``inputs`` (none for the targets and the metadata)."""
+        dx, dys, dscale, dbias = backward(self.tiles(inputs), stat, g)
+        x, ys, _, _, _, meta = inputs
+        none = jax.tree.map(lambda _: None, meta)
+        dx, dys = cotangent(self.score, x, dx), cotangent(self.score, ys, dys)
+        return Inputs(dx, dys, None, dscale, dbias, none)
 
 
-def backward(
-    kind: Strategy,
-    block: int,
-    x: Any,
-    ys: Any,
-    targets: jax.Array | None,
-    scale: Scalar,
-    bias: Scalar,
-    stat: jax.Array,
-    g: jax.Array,
-    mask: Mask | None = None,
-    into: tuple[Any, Any] | None = None,
-    *,
-    score: Score = Dot,
-) -> tuple[Any, Any, Scalar, Scalar]:
-    """Cotangents of ``x, ys, scale, bias`` for per-row cotangents ``g``, tile by tile.
+def backward(tiles: Tiles, stat: jax.Array, g: jax.Array, into: tuple | None = None) -> tuple:
+    """Cotangents ``(dx, dys, dscale, dbias)`` of ``tiles``' rows, columns and scalars for
+    per-row cotangents ``g``, tile by tile (and of the hardness strength last, with a
+    rule's ``hardness``).
 
     Two sweeps recompute every tile's ``dz``: one over query blocks sums each block's
     ``dx`` (and the scalars' gradients) over the key blocks, one over key blocks sums
@@ -172,7 +203,7 @@ def backward(
     the updated ``dx_buf`` (``x`` and ``ys`` are rows of one array). Without it
     ``dx`` and ``dy`` are written over copies of ``x`` and ``ys``.
     """
-    sweeps = _sweeps.Sweeps(kind, block, x, ys, targets, scale, bias, stat, g, mask, score)
+    sweeps = _sweeps.Sweeps(tiles, stat, g)
     if into is not None:
         return sweeps.add_into(*into)
     # Every row of dx and dy is written, so their buffers start as x and ys (zeros
@@ -182,34 +213,12 @@ def backward(
     # block index depends on the first sweep's result, so it provably runs after it
     # and XLA updates ys's buffer in place: the loss backward holds three batch-sized
     # arrays (x, dx, ys/dy), not four.
+    x, ys, score = tiles.x, tiles.ys, tiles.score
     dx_buf = _tiles.varying_like(score.leaf(x), x, ys)
-    dx, dscale, dbias = sweeps.query_sweep(dx_buf, add=False)
+    dx, *scalars = sweeps.query_sweep(dx_buf, add=False)
     dy_buf = _tiles.varying_like(score.leaf(ys), x, ys)
-    dy = sweeps.key_sweep(dy_buf, zero_after(dscale), add=False)
-    return dx, dy, dscale, dbias
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rowwise(form, x, ys, targets, scale, bias, meta):
-    """Per-row losses; the forward saves the inputs and one statistic per row."""
-    return _forward(form, x, ys, targets, scale, bias, meta)[0]
-
-
-def _rowwise_fwd(form, x, ys, targets, scale, bias, meta):
-    loss, stat = _forward(form, x, ys, targets, scale, bias, meta)
-    return loss, (x, ys, targets, scale, bias, meta, stat)
-
-
-def _rowwise_bwd(form, res, g):
-    x, ys, targets, scale, bias, meta, stat = res
-    kind, score, block, mask = form.kind, form.score, form.block, form.mask(meta)
-    grads = backward(kind, block, x, ys, targets, scale, bias, stat, g, mask, score=score)
-    dx, dys, dscale, dbias = grads
-    none = jax.tree.map(lambda _: None, meta)
-    return cotangent(score, x, dx), cotangent(score, ys, dys), None, dscale, dbias, none
-
-
-_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+    dy = sweeps.key_sweep(dy_buf, zero_after(scalars[0]), add=False)
+    return dx, dy, *scalars
 
 
 def cotangent(score: Score, rows: Any, leaf: jax.Array) -> Any:
@@ -223,29 +232,21 @@ def accumulation_dtype(*values: Any) -> jnp.dtype:
     return jnp.promote_types(jnp.result_type(*values), jnp.float32)
 
 
-def call(
-    kind: Strategy,
-    x: Any,
-    ys: Any,
-    targets: jax.Array,
-    scale: float | jax.Array,
-    bias: float | jax.Array,
-    block_size: int,
-    *,
-    score: Score = Dot,
-    mask: Mask | None = None,
-) -> jax.Array:
-    """Casts the scalars to the accumulation dtype, varying like the rows, then runs.
+def call(tiles: Tiles) -> jax.Array:
+    """The per-row losses of ``tiles`` (one device, or the gathered columns).
 
+    Casts the scalars to the accumulation dtype, varying like the rows, then runs.
     ``x`` and ``ys`` (rows of ``score``) keep their dtypes: only tiles are computed in
-    the wider dtype. ``mask``: ``(rule, rows_meta, cols_meta)``, the pairs kept.
+    the wider dtype.
     """
+    kind, block, x, ys, targets, scale, bias, mask, score = tiles
     acc = accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
     scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
     scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
     rule, *meta = mask or (None, None, None)
-    form = Form(kind, score, block_size, rule)
-    return _rowwise(form, x, ys, targets, scale, bias, None if rule is None else tuple(meta))
+    form = Form(kind, score, block, rule)
+    meta = None if rule is None else tuple(meta)
+    return _vjp.rowwise(form, Inputs(x, ys, targets, scale, bias, meta))
 
 
 def softmax_cross_entropy(
@@ -275,7 +276,7 @@ def softmax_cross_entropy(
       >>> bool(jnp.allclose(softmax_cross_entropy(x, ys, t, 2.0, block_size=2), dense))
       True
     """
-    return call(_strategies.Softmax, x, ys, targets, scale, 0.0, block_size)
+    return call(Tiles(_strategies.Softmax, block_size, x, ys, targets, scale, 0.0))
 
 
 def sigmoid_rows(
@@ -310,4 +311,4 @@ def sigmoid_rows(
       >>> bool(jnp.allclose(rows, dense))
       True
     """
-    return call(_strategies.Sigmoid, x, ys, targets, scale, bias, block_size)
+    return call(Tiles(_strategies.Sigmoid, block_size, x, ys, targets, scale, bias))

@@ -1,8 +1,8 @@
 """Which (row, column) pairs a loss keeps: a static :class:`Rule` and per-row metadata.
 
 A rule is applied to a tile (or, in the dense form, to the whole logit matrix) from
-the metadata of its rows and columns: dicts of per-row arrays read block by block
-with the rows (on the ring they travel with their block), plus scalars.
+the metadata of its rows and columns (:class:`Meta`: per-row arrays read block by
+block with the rows, on the ring travelling with their block, plus scalars).
 
 Rows (always one per query ``i``; its row is the query itself or its positive
 document): ``offset`` (the global index of this device's first query), and with the
@@ -19,10 +19,51 @@ and for a bank's columns (``_bank``) ``live`` (whether the entry is filled yet).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+class Meta(NamedTuple):
+    """One side's metadata (see above); None where the loss does not use it.
+
+    The fields are in alphabetical order: a pytree's leaves in the order of the dicts
+    it replaced (sorted keys), so the compiled programs did not change."""
+
+    alpha: Any = None
+    g: Any = None
+    live: Any = None
+    margin: Any = None
+    offset: Any = None
+    pid: Any = None
+    qid: Any = None
+    t: Any = None
+
+
+class Sides(NamedTuple):
+    """Something per side of a loss (rows, metadata, gradients); None where absent.
+
+    ``x``: the queries; ``y``: the documents (``k`` per query); ``p``: each query's
+    positive document (rows only: ``Firsts`` of ``y``); ``cx``, ``cy``: the columns
+    gathered from every device (the gather form); ``bx``, ``by``: a bank's earlier
+    queries and documents (``_bank``). Alphabetical, as :class:`Meta`."""
+
+    bx: Any = None
+    by: Any = None
+    cx: Any = None
+    cy: Any = None
+    p: Any = None
+    x: Any = None
+    y: Any = None
+
+    def of(self, side: str) -> Any:
+        """The entry of ``side`` (a field name; None for a name with no field)."""
+        return getattr(self, side, None)
+
+    def put(self, side: str, value: Any) -> Sides:
+        """These sides with ``side``'s entry replaced."""
+        return self._replace(**{side: value})
 
 
 def _equal(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -72,13 +113,13 @@ class Rule(NamedTuple):
         return self._replace(exclude=exclude, protect=None, guide=None, hardness=hardness,
                              bank=True)  # fmt: skip
 
-    def keep(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
+    def keep(self, rm: Meta, cm: Meta, rows: jax.Array, cols: jax.Array) -> jax.Array | None:
         """``[rows, cols]``: the pairs kept, from the rows' and columns' metadata.
 
         ``rows``, ``cols``: positions of the tile's rows and columns in the arrays
         the metadata's ``offset`` refers to. None: every pair is kept.
         """
-        gi, gj = (rm["offset"] + rows)[:, None], (cm["offset"] + cols)[None, :]
+        gi, gj = (rm.offset + rows)[:, None], (cm.offset + cols)[None, :]
         drop = self._dropped(rm, cm, gj)
         if drop is not None and self.protect is not None:
             drop = drop & (gj != (gi * self.k if self.protect == "first" else gi))
@@ -88,34 +129,34 @@ class Rule(NamedTuple):
                      "negatives": lambda: gj % self.k == 0}[self.exclude]()  # fmt: skip
             keep = other if keep is None else keep & other
         if self.bank:
-            keep = cm["live"][None, :] if keep is None else keep & cm["live"][None, :]
+            keep = cm.live[None, :] if keep is None else keep & cm.live[None, :]
         return None if keep is None else jax.lax.optimization_barrier(keep)
 
-    def boost(self, rm: dict, cm: dict, rows: jax.Array, cols: jax.Array) -> tuple | None:
+    def boost(self, rm: Meta, cm: Meta, rows: jax.Array, cols: jax.Array) -> tuple | None:
         """``([rows, cols] pairs, alpha)``: the pairs whose logits gain ``alpha * score``
         (before any pair is dropped), or None. Arguments as for :meth:`keep`."""
         if self.hardness is None:
             return None
         if self.bank:  # every entry is an earlier query's: none is hard, all in batch
-            return jnp.ones((len(rows), len(cols)), bool), rm["alpha"]
-        gi, gj = (rm["offset"] + rows)[:, None], (cm["offset"] + cols)[None, :]
+            return jnp.ones((len(rows), len(cols)), bool), rm.alpha
+        gi, gj = (rm.offset + rows)[:, None], (cm.offset + cols)[None, :]
         own, positive = gj // self.k == gi, gj == gi * self.k
         pairs = {"hard_negatives": own & ~positive, "in_batch_negatives": ~own,
                  "all_negatives": ~positive}[self.hardness]  # fmt: skip
-        return pairs, rm["alpha"]
+        return pairs, rm.alpha
 
-    def _dropped(self, rm: dict, cm: dict, gj: jax.Array) -> jax.Array | None:
+    def _dropped(self, rm: Meta, cm: Meta, gj: jax.Array) -> jax.Array | None:
         """The false negatives: pairs the ids or the guide drop (or None)."""
         drop = None
-        if "pid" in rm:
-            drop = _equal(rm["pid"], cm["pid"])
-        if "qid" in rm:
-            same = _equal(rm["qid"], cm["qid"])
+        if rm.pid is not None:
+            drop = _equal(rm.pid, cm.pid)
+        if rm.qid is not None:
+            same = _equal(rm.qid, cm.qid)
             drop = _or(drop, same & (gj % self.k == 0) if self.docs else same)
         if self.guide is not None:
-            acc = jnp.promote_types(jnp.result_type(rm["g"], cm["g"]), jnp.float32)
-            scores = jnp.matmul(rm["g"], cm["g"].T, preferred_element_type=acc)
-            t, margin = rm["t"], rm["margin"]
+            acc = jnp.promote_types(jnp.result_type(rm.g, cm.g), jnp.float32)
+            scores = jnp.matmul(rm.g, cm.g.T, preferred_element_type=acc)
+            t, margin = rm.t, rm.margin
             bar = t - margin if self.guide == "absolute" else t - jnp.abs(t) * margin
             # One boolean tile, materialised: else each consumer recomputes it from the
             # scores, which then stay live beside the logits (a fourth float tile).
@@ -124,9 +165,26 @@ class Rule(NamedTuple):
 
 
 class Mask(NamedTuple):
-    """The pairs a loss keeps: a :class:`Rule` and the metadata of its rows and columns
-    (dicts of per-row arrays or views, and scalars; see the module docstring)."""
+    """The pairs a loss keeps: a :class:`Rule` and the :class:`Meta` of its rows and
+    columns."""
 
     rule: Rule
-    rows: dict
-    cols: dict
+    rows: Meta
+    cols: Meta
+
+
+class Targets(NamedTuple):
+    """Each row's target column, by ``_families.Family.target``: ``first`` (column
+    ``i * k``, the query's positive document) and ``self`` (column ``i``)."""
+
+    first: Any = None
+    self: Any = None
+
+
+class Metadata(NamedTuple):
+    """A loss's metadata: its rows' and columns' :class:`Meta` by side (:class:`Sides`),
+    and its families' :class:`Targets`."""
+
+    cols: Sides
+    rows: Sides
+    targets: Targets = Targets()
