@@ -119,11 +119,17 @@ def test_every_block_is_run():
         assert list(blocks(page)) == PAGES.get(page, []), f"{page}: update PAGES and its test"
 
 
+# The libraries a page tells its reader to install first, beside gc_jax's extras.
+INSTALLED_BY_THE_READER = {"docs/model_libraries.md": {"gemma", "kauldron", "maxtext", "penzai"}}
+
+
 def test_every_import_resolves_from_the_repository_root():
     """A reader runs the blocks from the repository root: each module they import is
-    installed, or in ``examples/`` where the page says ``PYTHONPATH=examples``."""
+    installed (by gc_jax's extras, or by the install notes of the page), or in
+    ``examples/`` where the page says ``PYTHONPATH=examples``."""
     for page in sorted(p.relative_to(DOCS.parent).as_posix() for p in DOCS.rglob("*.md")):
-        assert not doc_pages.unimportable_from_the_root(page), page
+        missing = doc_pages.unimportable_from_the_root(page)
+        assert not missing - INSTALLED_BY_THE_READER.get(page, set()), (page, missing)
 
 
 def test_a_block_prints_what_its_page_says():

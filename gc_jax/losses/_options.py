@@ -142,9 +142,10 @@ def real_scalar(value: Any, name: str) -> float | None:
         raise TypeError(f"{name} must be a real scalar, got one of dtype {dtype}.")
     if isinstance(value, jax.core.Tracer):
         return None
+    value = np.asarray(value)  # NumPy's own ops: a concrete Array inside jit stays concrete
     if not np.isreal(value):
         raise TypeError(f"{name} must be a real scalar, got {value!r}.")
-    return float(np.real(value))
+    return float(value.real)
 
 
 def check_margin(margin: Any, strategy: Any, guide: Any) -> Any:
