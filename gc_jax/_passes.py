@@ -211,8 +211,9 @@ def forward(inp: Input, params: PyTree, *, keep_tail: bool = False, cache_dtype:
     caches already written), so no other chunk's activations overlap with its own.
     ``after=None``: every chunk of the step is kept (plain full-batch training), so
     there is nothing to wait for, and the compiler schedules the step as it would the
-    full batch (a barrier there only constrains that schedule, and was measured to
-    cost memory with three inputs on JAX 0.12).
+    full batch (a barrier there only constrains that schedule;
+    ``tests/test_memory.py::test_one_chunk_per_input_is_the_full_batch`` holds the
+    step to the full batch's temp bytes).
     """
     like = _cache_like(output_shapes(inp, params), cache_dtype)
     cache = _zeros(like, inp.plan, params, inp.batch)

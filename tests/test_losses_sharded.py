@@ -261,6 +261,23 @@ def test_sharded_jit_matches_unsharded(devices, axis_type, spec, set_mesh):
         assert all(jax.typeof(g).sharding.spec == spec for _, grads in got for g in grads)
 
 
+@pytest.mark.parametrize("loss", [contrastive_loss, sigmoid_loss])
+def test_sharded_ring_keeps_python_float_scalars_weak_under_x64(devices, loss):
+    """A Python-float temperature or scale takes the rows' dtype on the ring as elsewhere:
+    float64 rows are not scored with a float32-rounded scalar, float32 rows stay float32."""
+    mesh = _mesh(devices)
+    with jax.enable_x64(True):
+        for dtype, tol in ((jnp.float64, 1e-12), (jnp.float32, 1e-5)):
+            x, y = (v.astype(dtype) for v in _data(16, 16, dim=6, seed=7))
+            args = () if loss is contrastive_loss else (0.07, -1.3)  # logit scale and bias
+            kw = {"temperature": 0.07} if loss is contrastive_loss else {}
+            want = jax.jit(lambda x, y: loss(x, y, *args, **kw))(x, y)
+            ring = jax.jit(lambda x, y: loss(x, y, *args, **kw, method="ring", block_size=2))
+            got = ring(*_shard(mesh, x, y))
+            assert got.dtype == dtype, (got.dtype, dtype)
+            chex.assert_trees_all_close(got, want, rtol=tol, atol=0)
+
+
 @pytest.mark.parametrize("method", ["gather", "ring"])
 def test_a_replicated_side_under_shard_map_is_refused(method):
     """Queries split, documents replicated (``in_specs=(P("d"), P())``): the documents

@@ -334,7 +334,8 @@ class TokenPlan(NamedTuple):
         outputs with a token axis cut to the bucket's length, as the cache holds them.
 
         One ``lax.scan`` per bucket: its turns compile once, so the reference compiles
-        about as fast as the cached step (unrolled, a 6-bucket budget at 64 rows took 18x).
+        about as fast as the cached step (docs/benchmarks/token_budgets.md, "The testing
+        reference compiles as fast as the step").
         """
         plan = self if trim else self._replace(lengths=(self.padded,) * len(self.lengths))
 

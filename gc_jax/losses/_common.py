@@ -154,8 +154,8 @@ def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
     acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
     if x.dtype == acc:
         # Wide rows: scaled before the product, on [rows, dim], so the compiler need not
-        # keep the unscaled product as a second [rows, cols] buffer (XLA:CPU does:
-        # three B x B buffers for the dense InfoNCE step instead of two).
+        # keep the unscaled product as a second [rows, cols] buffer (XLA:CPU does; see
+        # docs/benchmarks/memory.md, "The dense loss's third B x B buffer").
         return jnp.matmul(x * scale, ys.T, preferred_element_type=acc) + bias
     # Narrow rows are not rounded again by the scale: it multiplies the accumulated product.
     return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
@@ -263,7 +263,14 @@ def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, 
         in_specs=(rows, rows, extra_specs, *[P()] * len(scalars)),
         out_specs=out,
     )
-    scalars = [jnp.asarray(v, jnp.result_type(v, jnp.float32)) for v in scalars]
+    scalars = [_scalar(v) for v in scalars]
     place = lambda side: jax.tree.map(lambda v: layout.place(v, rows), side)
     extras = jax.tree.map(lambda v: layout.place(v, P(layout.axes)), extras)
     return f(place(x), place(y), extras, *scalars)
+
+
+def _scalar(v: Any) -> jax.Array:
+    """``v`` as an array for ``shard_map``: a Python float stays weakly typed (it takes the
+    rows' dtype, as outside the ring, also under x64), an integer becomes a float."""
+    v = jnp.asarray(v)
+    return v if jnp.issubdtype(v.dtype, jnp.floating) else v.astype(jnp.float32)

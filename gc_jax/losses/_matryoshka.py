@@ -141,8 +141,8 @@ def _cut(v: jax.Array, width: int, normalize: bool) -> jax.Array:
     """``v[..., :width]``, rescaled to unit length along the last axis if ``normalize``.
 
     Rematerialised: the backward recomputes the cut from ``v`` (the representations,
-    kept anyway) instead of keeping every width's unit vectors (at 4,096 x 768, five
-    widths, renormalised: 116 instead of 193 MiB of temp, the same step time).
+    kept anyway) instead of keeping every width's unit vectors (the memory saved is in
+    docs/benchmarks/losses.md, "MaxSim and Matryoshka losses").
     """
     v = v[..., :width]
     if not normalize:

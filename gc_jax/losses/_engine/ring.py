@@ -106,8 +106,8 @@ def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: Axi
         here, behind, state = carry
         arriving = send(here, axis_name) if send_on else here
         # The gradient of the block here. Not chained after the block's send: chained, the
-        # TPU compiler kept one more float32 accumulator per chip (+13 % for the plain
-        # ring on a v5e-16, BENCHMARKS.md "Before and after the loss engine changes").
+        # TPU compiler keeps one more float32 accumulator per chip (docs/benchmarks/
+        # losses.md, "Before and after the loss engine changes").
         behind = shift(behind, axis_name)
         behind, state = visit(here, behind, state, False)
         return arriving, behind, state
