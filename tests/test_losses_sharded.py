@@ -266,11 +266,11 @@ def test_sharded_ring_keeps_python_float_scalars_weak_under_x64(devices, loss):
     """A Python-float temperature or scale takes the rows' dtype on the ring as elsewhere:
     float64 rows are not scored with a float32-rounded scalar, float32 rows stay float32."""
     mesh = _mesh(devices)
+    args = () if loss is contrastive_loss else (0.07, -1.3)  # logit scale and bias
+    kw = {"temperature": 0.07} if loss is contrastive_loss else {}
     with jax.enable_x64(True):
         for dtype, tol in ((jnp.float64, 1e-12), (jnp.float32, 1e-5)):
             x, y = (v.astype(dtype) for v in _data(16, 16, dim=6, seed=7))
-            args = () if loss is contrastive_loss else (0.07, -1.3)  # logit scale and bias
-            kw = {"temperature": 0.07} if loss is contrastive_loss else {}
             want = jax.jit(lambda x, y: loss(x, y, *args, **kw))(x, y)
             ring = jax.jit(lambda x, y: loss(x, y, *args, **kw, method="ring", block_size=2))
             got = ring(*_shard(mesh, x, y))
