@@ -263,22 +263,23 @@ def test_vs_pytorch_parent_initialises_no_device(tmp_path):
 
 
 def test_vs_pytorch_plan_runs_parse_in_order(tmp_path):
-    """Every run of the GPU plan is a valid vs_pytorch command, most valuable first;
-    --frameworks drops what it does not name, --tiny shrinks the batches."""
-    from benchmarks import vs_pytorch, vs_pytorch_plan
+    """Every run of the GPU plan (``--plan``) is a valid vs_pytorch command, most
+    valuable first; --frameworks drops what it does not name, --tiny shrinks the batches."""
+    from benchmarks import vs_pytorch
 
-    names = [name for name, _, _ in vs_pytorch_plan.STEPS]
+    names = [name for name, _, _ in vs_pytorch.PLAN]
     assert names[:2] == ["bf16_4096_check", "bf16_65536"] and len(set(names)) == len(names)
     for tiny, frameworks in ((False, ["jax", "torch"]), (True, ["torch"])):
-        cli = ["--out", str(tmp_path), "--frameworks", *frameworks] + ["--tiny"] * tiny
-        plan = vs_pytorch_plan.parse_args(cli)
-        for name, most, flags in vs_pytorch_plan.STEPS:
-            argv = vs_pytorch_plan.step_argv(plan, name, flags, most, "w.npz")
+        cli = ["--plan", str(tmp_path), "--frameworks", *frameworks] + ["--tiny"] * tiny
+        plan = vs_pytorch.parse_args(cli)
+        for name, most, flags in vs_pytorch.PLAN:
+            argv = vs_pytorch.plan_argv(plan, name, flags, most, "w.npz")
             if argv is None:
                 assert "--frameworks jax" in flags and frameworks == ["torch"]
                 continue
             args = vs_pytorch.parse_args(argv)
-            assert args.time_limit == most and args.weights == "w.npz" and args.tiny == tiny
+            assert args.plan is None and args.time_limit == most and args.weights == "w.npz"
+            assert args.tiny == tiny
             assert args.json == tmp_path / f"vs_pytorch_{name}.json"
             assert set(args.frameworks) <= set(frameworks)
             rows = int(flags.split("--batches ")[1].split()[0])
