@@ -384,13 +384,17 @@ def commit_worker(args: argparse.Namespace) -> None:
     print(json.dumps({k: {"wall": t.wall[k], "cpu": t.cpu[k]} for k in steps}))
 
 
-def worker_run(args: argparse.Namespace, src: Path) -> dict[str, Any]:
-    """One worker process on ``src``'s ``gc_jax``, then this checkout's ``benchmarks``."""
+def worker_argv(args: argparse.Namespace, src: Path) -> list[str]:
+    """The arguments of a worker on ``src``'s ``gc_jax``: this run's model and sizes."""
     sizes = {"--depth": args.depth, "--width": args.width, "--dim-in": args.dim_in,
              "--dim-out": args.dim_out, "--batch": args.batch, "--chunk": args.chunk,
              "--reps": args.reps, "--warmup": args.warmup}  # fmt: skip
-    cmd = [sys.executable, "-m", "benchmarks.speed", "--worker", str(src)]
-    cmd += [str(x) for item in sizes.items() for x in item]
+    return ["--worker", str(src), *(str(x) for item in sizes.items() for x in item)]
+
+
+def worker_run(args: argparse.Namespace, src: Path) -> dict[str, Any]:
+    """One worker process on ``src``'s ``gc_jax``, then this checkout's ``benchmarks``."""
+    cmd = [sys.executable, "-m", "benchmarks.speed", *worker_argv(args, src)]
     path = [str(src), str(common.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=src.parent, env=env, check=True)

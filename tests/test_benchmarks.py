@@ -61,6 +61,37 @@ def test_out_of_memory_messages_are_read_in_any_unit():
     assert common.out_of_memory(RuntimeError(scoped)) == (10.25 * 2**30, 15.75 * 2**30)
 
 
+def test_speed_commits_workers_time_the_parents_configuration():
+    """``benchmarks.speed --commits``: each commit's worker process is given the model,
+    batch, chunk and rounds of the parent (``--quick`` included), and only those."""
+    from benchmarks import speed
+
+    for cli in (["--commits", "HEAD"], ["--commits", "HEAD", "--quick", "--depth", "3"]):
+        parent = speed.parse_args(cli)
+        worker = speed.parse_args(speed.worker_argv(parent, Path("/tmp/HEAD")))
+        assert worker.worker == "/tmp/HEAD" and not worker.commits and not worker.quick
+        for name in ("depth", "width", "dim_in", "dim_out", "batch", "chunk", "reps", "warmup"):
+            assert getattr(worker, name) == getattr(parent, name), (cli, name)
+    assert parent.depth == 2 and parent.batch == 256  # --quick's sizes travel too
+
+
+@pytest.mark.slow  # runs a benchmark's model
+def test_memory_floor_prints_its_table(capsys):
+    """``benchmarks.memory --floor`` at tiny sizes: a row per depth and chunk, a column
+    per number of inputs, and the growth per extra input."""
+    from benchmarks import memory
+
+    memory.main(["--floor", "--depths", "2", "--chunks", "64", "--inputs", "1", "2", "--rows",
+                 "512", "--width", "128", "--dim-in", "128", "--dim-out", "32"])  # fmt: skip
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    header, (row,) = rows[0], rows[1:]
+    assert "| one chunk's fwd+bwd MiB | 1 input | 2 inputs | per extra input |" in header
+    cells = row.strip("| ").split(" | ")
+    assert len(cells) == header.count("|") - 1 and cells[:3] == ["2", "0.1", "64"]
+    one_chunk, one, two, extra = map(float, cells[3:])
+    assert one_chunk > 0 and one > 0 and extra == pytest.approx(two - one, abs=0.15)
+
+
 # --- the package and its index -------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
