@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inputs", type=int, nargs="+", default=[1, 2, 3], help="--floor")
     p.add_argument("--rows", type=int, default=2048, help="--floor: rows per input")
     args = p.parse_args(argv)
+    if args.floor and (args.plot or args.json):
+        p.error("--floor prints its table only: no --plot or --json")
     if args.quick and args.floor:
         args.depths, args.chunks, args.inputs, args.rows = [2], [32], [1, 2], 128
         args.width = args.dim_in = 64

@@ -98,11 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write the sweep as a PNG here")
     p.add_argument("--json", type=Path, default=None, help="write all raw timings here")
     p.add_argument("--quick", action="store_true", help="tiny model and batches, few reps")
-    p.add_argument("--passes", action="store_true", help="time gc_jax's passes alone instead")
-    p.add_argument("--commits", nargs="+", help="the headline ratio of these commits instead")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--passes", action="store_true", help="time gc_jax's passes alone instead")
+    mode.add_argument("--commits", nargs="+", help="the headline ratio of these commits instead")
     p.add_argument("--rounds", type=int, default=4, help="--commits: worker rounds")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # --commits: one commit's gc_jax
     args = p.parse_args(argv)
+    if (args.passes or args.commits) and (args.plot or args.json):
+        p.error("--passes and --commits print their tables only: no --plot or --json")
     if args.quick:
         args.depth, args.width, args.dim_in, args.dim_out = 2, 64, 64, 32
         args.batch, args.chunk, args.block_size = 256, 64, 64

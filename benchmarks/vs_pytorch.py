@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", type=json.loads, help=argparse.SUPPRESS)
     p.add_argument("--dump", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plan and (args.batches or args.check or args.weights or args.json):
+        p.error("--plan sets each run's --batches, --check, --weights and --json itself")
     args.batches = args.batches or ([32, 64] if args.tiny else [4096, 65536])
     args.chunk = args.chunk or (8 if args.tiny else 256)
     if args.steps < 1 or args.warmup < 1:

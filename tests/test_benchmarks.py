@@ -75,6 +75,24 @@ def test_speed_commits_workers_time_the_parents_configuration():
     assert parent.depth == 2 and parent.batch == 256  # --quick's sizes travel too
 
 
+def test_modes_refuse_the_options_they_would_ignore(capsys):
+    """``speed --passes``/``--commits``, ``memory --floor`` and ``vs_pytorch --plan``
+    print tables or set each run's files themselves: an option they would ignore is an
+    error that names it."""
+    from benchmarks import memory, speed, vs_pytorch
+
+    for parse, argv, message in (
+        (speed.parse_args, ["--passes", "--json", "x.json"], "no --plot or --json"),
+        (speed.parse_args, ["--commits", "HEAD", "--plot", "x.png"], "no --plot or --json"),
+        (speed.parse_args, ["--passes", "--commits", "HEAD"], "not allowed with"),
+        (memory.parse_args, ["--floor", "--json", "x.json"], "no --plot or --json"),
+        (vs_pytorch.parse_args, ["--plan", "d", "--batches", "64"], "--plan sets each run's"),
+    ):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert message in capsys.readouterr().err, argv
+
+
 @pytest.mark.slow  # runs a benchmark's model
 def test_memory_floor_prints_its_table(capsys):
     """``benchmarks.memory --floor`` at tiny sizes: a row per depth and chunk, a column
