@@ -19,10 +19,21 @@ Variants (the same InfoNCE loss, ``gc_jax.losses.contrastive_loss``):
 The blockwise variants are skipped, and reported absent, if ``contrastive_loss``
 takes no ``block_size``.
 
+``--floor``: what gc_jax's memory floor is made of. With an O(batch) loss (a linear
+read-out of the representations, so no ``B x B`` logits), the temp memory of
+``gc_jax.cached_value_and_grad`` at ``--rows`` rows per input should be the cache plus
+about one chunk's activations plus the gradient accumulator. It varies the number of
+inputs (``--inputs``: 1, 2, 3 batches through one tied encoder), the depth of the MLP
+(``--depths``, hence the parameter count) and the chunk (``--chunks``), and prints the
+temp memory beside the parameter size and one chunk's activations (the temp memory of
+a plain full-batch gradient over ``chunk`` rows of one input).
+
 Usage::
 
     python -m benchmarks.memory --plot benchmarks/plots/memory_vs_batch.png
     python -m benchmarks.memory --quick
+    python -m benchmarks.memory --floor
+    python -m benchmarks.memory --floor --quick
 """
 
 from __future__ import annotations
@@ -30,9 +41,12 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+import gc_jax
 from benchmarks import common
 
 MIB = 2**20
@@ -66,8 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write a log-log PNG here")
     p.add_argument("--json", type=Path, default=None, help="write the raw table here")
     p.add_argument("--quick", action="store_true", help="small model and batches")
+    p.add_argument("--floor", action="store_true", help="the floor: inputs, depth, chunk")
+    p.add_argument("--depths", type=int, nargs="+", default=[6, 12, 24], help="--floor")
+    p.add_argument("--chunks", type=int, nargs="+", default=[128, 256], help="--floor")
+    p.add_argument("--inputs", type=int, nargs="+", default=[1, 2, 3], help="--floor")
+    p.add_argument("--rows", type=int, default=2048, help="--floor: rows per input")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.floor and (args.plot or args.json):
+        p.error("--floor prints its table only: no --plot or --json")
+    if args.quick and args.floor:
+        args.depths, args.chunks, args.inputs, args.rows = [2], [32], [1, 2], 128
+        args.width = args.dim_in = 64
+    elif args.quick:
         args.depth, args.width, args.dim_in, args.dim_out = 4, 128, 128, 32
         args.chunk, args.block_size, args.batches = 64, 64, [64, 256, 1024]
     return args
@@ -124,8 +148,51 @@ def plot(path: Path, table: dict[str, dict[int, int]], title: str) -> None:
     common.save_figure(fig, path)
 
 
+def readout(params: Any, *reps: jax.Array) -> jax.Array:
+    """An O(batch) loss: the mean first coordinate of every input's representations."""
+    del params
+    return sum(jnp.mean(r[:, 0]) for r in reps)
+
+
+def temp_mib(fn: Any, params: Any, *shapes: jax.ShapeDtypeStruct) -> float:
+    compiled = jax.jit(fn).lower(params, *shapes).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / MIB
+
+
+def floor_row(args: argparse.Namespace, depth: int, chunk: int) -> str:
+    """One row of the floor's table: ``depth`` layers, ``chunk`` rows a chunk."""
+    cfg = common.ModelConfig(depth, args.width, args.dim_in, args.dim_out)
+    params = common.param_shapes(cfg)
+    rows = jax.ShapeDtypeStruct((chunk, cfg.dim_in), cfg.dtype)
+    one_chunk = temp_mib(jax.grad(lambda p, x: readout(p, common.encode(p, x))), params, rows)
+    x = jax.ShapeDtypeStruct((args.rows, cfg.dim_in), cfg.dtype)
+    step = gc_jax.cached_value_and_grad(readout, common.encode, chunk)
+    mem = [temp_mib(step, params, *[x] * n) for n in args.inputs]
+    pairs = zip(mem, mem[1:], args.inputs, args.inputs[1:], strict=False)
+    steps = [(b - a) / (m - n) for a, b, n, m in pairs]
+    return (
+        f"| {depth} | {common.num_params(cfg) * 4 / MIB:.1f} | {chunk} | {one_chunk:.1f} | "
+        + " | ".join(f"{m:.1f}" for m in mem)
+        + f" | {', '.join(f'{s:.1f}' for s in steps)} |"
+    )
+
+
+def floor(args: argparse.Namespace) -> None:
+    """``--floor``: gc_jax's temp memory against the inputs, the depth and the chunk."""
+    print(f"machine: {common.machine()}")
+    print(f"batch {args.rows} per input, MLP width {args.width}; temp_size_in_bytes in MiB")
+    cols = " | ".join(f"{n} input{'s' if n > 1 else ''}" for n in args.inputs)
+    print(f"| depth | params MiB | chunk | one chunk's fwd+bwd MiB | {cols} | per extra input |")
+    print("|---:|---:|---:|---:|" + "---:|" * (len(args.inputs) + 1))
+    for depth in args.depths:
+        for chunk in args.chunks:
+            print(floor_row(args, depth, chunk), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.floor:
+        return floor(args)
     cfg = common.model_config(args)
     print(f"machine: {common.machine()}")
     print(f"model: {cfg.describe()}")

@@ -15,16 +15,50 @@ of the paired per-round ratios).
 Part 2: time per example vs batch size for full batch, both remats and gradient
 caching, same chunk size (``--batches``); ``--plot`` writes it as a PNG.
 
+``--passes`` (instead): where the step time of gradient caching goes, the headline
+configuration's passes timed alone, interleaved, against the full batch's. The pieces
+of ``gc_jax.cached_value_and_grad`` are rebuilt from public JAX (the core's
+``fori_loop`` / ``dynamic_slice`` pattern, not its private functions):
+
+* ``fwd_full``: the encoder on both inputs, full batch (forward only);
+* ``fwd_chunked``: the same chunk by chunk into a cache (gc's pass 1, all chunks);
+* ``loss_grad``: the loss and its gradient w.r.t. the two ``[B, dim_out]`` caches;
+* ``vjp_chunked``: chunk by chunk, re-encode under ``jax.vjp`` and pull a given
+  representation gradient back to the parameters (gc's pass 2, all chunks);
+* ``vjp_full``: the same pull-back over the full batch in one ``jax.vjp``;
+* ``step_full`` and ``step_gc``: the complete steps, as in the headline.
+
+If the core is efficient, ``step_gc ~ fwd_chunked * (1 - chunk/B) + loss_grad +
+vjp_chunked`` (the core keeps the last chunk's forward from pass 1) and
+``step_full ~ loss_grad + vjp_full``.
+
+``--commits C [C ...]`` (instead): the headline gc/full ratio for several gc_jax
+commits, interleaved. Each commit's ``gc_jax`` is taken with ``git archive`` into a
+temporary folder; every one of ``--rounds`` rounds runs one worker process per commit
+(alternating the order), whose ``PYTHONPATH`` puts that commit's ``gc_jax`` before this
+checkout's ``benchmarks``. Each worker times the full-batch and gc steps of the
+headline configuration in ``--reps`` paired, alternating repetitions after
+``--warmup`` untimed ones. Reported per commit: the median and range of the paired
+gc/full ratios, wall and process CPU time (issue 18's speed regression).
+
 Usage::
 
     python -m benchmarks.speed                     # headline + batch sweep
     python -m benchmarks.speed --plot benchmarks/plots/time_per_example.png
     python -m benchmarks.speed --quick             # small sanity run, a few seconds
+    python -m benchmarks.speed --passes --reps 9   # each pass timed alone
+    python -m benchmarks.speed --commits 7634503 951f672 HEAD --rounds 4 --reps 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write the sweep as a PNG here")
     p.add_argument("--json", type=Path, default=None, help="write all raw timings here")
     p.add_argument("--quick", action="store_true", help="tiny model and batches, few reps")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--passes", action="store_true", help="time gc_jax's passes alone instead")
+    mode.add_argument("--commits", nargs="+", help="the headline ratio of these commits instead")
+    p.add_argument("--rounds", type=int, default=4, help="--commits: worker rounds")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # --commits: one commit's gc_jax
     args = p.parse_args(argv)
+    if (args.passes or args.commits) and (args.plot or args.json):
+        p.error("--passes and --commits print their tables only: no --plot or --json")
     if args.quick:
         args.depth, args.width, args.dim_in, args.dim_out = 2, 64, 64, 32
         args.batch, args.chunk, args.block_size = 256, 64, 64
@@ -197,8 +238,14 @@ def plot(path: Path, results: dict[int, common.Timings], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.worker:
+        return commit_worker(args)
+    if args.commits:
+        return commits(args)
     if args.quick:
         print(common.QUICK)
+    if args.passes:
+        return passes(args)
     cfg = common.model_config(args)
     print(f"machine: {common.machine()}")
     print(f"model: {cfg.describe()}; loss: InfoNCE, temperature {common.TEMPERATURE}")
@@ -220,6 +267,162 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         common.write_json(args.json, results)
         print(f"wrote {args.json}")
+
+
+# --- --passes: each pass of gc_jax timed alone ----------------------------------------------
+
+
+def chunked_forward(params: Any, x: jax.Array, chunk: int, dim_out: int) -> jax.Array:
+    """Pass 1: every chunk encoded in a ``fori_loop``, written into the cache in place."""
+
+    def body(c: jax.Array, cache: jax.Array) -> jax.Array:
+        rows = jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk)
+        return jax.lax.dynamic_update_slice_in_dim(
+            cache, common.encode(params, rows), c * chunk, axis=0
+        )
+
+    cache = jnp.zeros((x.shape[0], dim_out), x.dtype)
+    return jax.lax.fori_loop(0, x.shape[0] // chunk, body, cache)
+
+
+def chunked_vjp(params: Any, x: jax.Array, rep_grad: jax.Array, chunk: int) -> Any:
+    """Pass 2: every chunk re-encoded under ``jax.vjp``, parameter gradients summed."""
+
+    def body(c: jax.Array, acc: Any) -> Any:
+        rows = jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk)
+        g = jax.lax.dynamic_slice_in_dim(rep_grad, c * chunk, chunk)
+        _, vjp = jax.vjp(lambda p: common.encode(p, rows), params)
+        return jax.tree.map(jnp.add, acc, vjp(g)[0])
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return jax.lax.fori_loop(0, x.shape[0] // chunk, body, zeros)
+
+
+def full_vjp(params: Any, x: jax.Array, rep_grad: jax.Array) -> Any:
+    _, vjp = jax.vjp(lambda p: common.encode(p, x), params)
+    return vjp(rep_grad)[0]
+
+
+def pass_fns(chunk: int, dim_out: int) -> dict[str, Any]:
+    """The pieces, each ``(params, q, d, reps, rep_grads) -> ...`` and jitted: nothing is
+    a compile-time constant that XLA could fold away."""
+    loss = common.loss_fn()
+    return {
+        "fwd_full": lambda p, q, d, r, g: (common.encode(p, q), common.encode(p, d)),
+        "fwd_chunked": lambda p, q, d, r, g: (
+            chunked_forward(p, q, chunk, dim_out),
+            chunked_forward(p, d, chunk, dim_out),
+        ),
+        "loss_grad": lambda p, q, d, r, g: jax.value_and_grad(lambda r: loss(p, *r))(r),
+        "vjp_chunked": lambda p, q, d, r, g: jax.tree.map(
+            jnp.add, chunked_vjp(p, q, g[0], chunk), chunked_vjp(p, d, g[1], chunk)
+        ),
+        "vjp_full": lambda p, q, d, r, g: jax.tree.map(
+            jnp.add, full_vjp(p, q, g[0]), full_vjp(p, d, g[1])
+        ),
+        "step_full": lambda p, q, d, r, g: common.full_batch_step()(p, q, d),
+        "step_gc": lambda p, q, d, r, g: common.cached_step(chunk)(p, q, d),
+    }
+
+
+def passes(args: argparse.Namespace) -> None:
+    """``--passes``: every piece timed in interleaved rounds, against ``step_full``."""
+    if args.batch % args.chunk:
+        raise SystemExit("--batch must be a multiple of --chunk here")
+    cfg = common.model_config(args)
+    params = common.init_params(cfg, jax.random.key(0))
+    q, d = common.make_batch(cfg, args.batch, jax.random.key(1))
+    reps = (common.encode(params, q), common.encode(params, d))
+    grads = jax.grad(lambda r: common.loss_fn()(None, *r))(reps)
+    fns = {k: jax.jit(f) for k, f in pass_fns(args.chunk, args.dim_out).items()}
+    print(f"machine: {common.machine()}")
+    print(f"model: {cfg.describe()}; B={args.batch}, chunk={args.chunk}, {args.reps} rounds")
+    timings = common.interleaved_times(fns, (params, q, d, reps, grads), args.reps, args.warmup)
+    print(f"after: {common.load()}")
+    print_passes(timings, 1 - args.chunk / args.batch)
+
+
+def print_passes(timings: common.Timings, kept: float) -> None:
+    """The pieces' table, their sums against the steps and the backward/forward costs."""
+    times, cpu = timings.wall, timings.cpu
+    med = {k: common.median(v) for k, v in times.items()}
+    full = times["step_full"]
+    print("| piece | median wall s | vs step_full (paired) | median CPU s | CPU vs step_full |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ts in times.items():
+        print(
+            f"| {name} | {med[name]:.3f} | {common.paired_ratio(ts, full):.3f} | "
+            f"{common.median(cpu[name]):.3f} | "
+            f"{common.paired_ratio(cpu[name], cpu['step_full']):.3f} |"
+        )
+    predicted_gc = med["fwd_chunked"] * kept + med["loss_grad"] + med["vjp_chunked"]
+    predicted_full = med["loss_grad"] + med["vjp_full"]
+    print(
+        f"\nsum of pieces: gc ~ {predicted_gc:.3f} s (measured {med['step_gc']:.3f}); "
+        f"full ~ {predicted_full:.3f} s (measured {med['step_full']:.3f})"
+    )
+    bwd = lambda vjp, fwd: (med[vjp] - med[fwd]) / med[fwd]
+    print(
+        f"backward/forward cost: full batch {bwd('vjp_full', 'fwd_full'):.2f}, "
+        f"chunked {bwd('vjp_chunked', 'fwd_chunked'):.2f}; "
+        f"chunked/full forward {med['fwd_chunked'] / med['fwd_full']:.2f}, "
+        f"chunked/full vjp {med['vjp_chunked'] / med['vjp_full']:.2f}"
+    )
+
+
+# --- --commits: the headline ratio of several commits' gc_jax ------------------------------
+
+
+def commit_worker(args: argparse.Namespace) -> None:
+    """Times the full and gc steps with the ``gc_jax`` of ``--worker`` (first on the path)."""
+    import gc_jax
+
+    assert gc_jax.__file__.startswith(args.worker), gc_jax.__file__
+    cfg = common.model_config(args)
+    made = common.make_steps(args.chunk, None, ["full", "gc"])
+    steps = {k: jax.jit(v) for k, v in made.items()}
+    params = common.init_params(cfg, jax.random.key(0))
+    q, d = common.make_batch(cfg, args.batch, jax.random.key(1))
+    t = common.interleaved_times(steps, (params, q, d), args.reps, args.warmup)
+    print(json.dumps({k: {"wall": t.wall[k], "cpu": t.cpu[k]} for k in steps}))
+
+
+def worker_argv(args: argparse.Namespace, src: Path) -> list[str]:
+    """The arguments of a worker on ``src``'s ``gc_jax``: this run's model and sizes."""
+    sizes = {"--depth": args.depth, "--width": args.width, "--dim-in": args.dim_in,
+             "--dim-out": args.dim_out, "--batch": args.batch, "--chunk": args.chunk,
+             "--reps": args.reps, "--warmup": args.warmup}  # fmt: skip
+    return ["--worker", str(src), *(str(x) for item in sizes.items() for x in item)]
+
+
+def worker_run(args: argparse.Namespace, src: Path) -> dict[str, Any]:
+    """One worker process on ``src``'s ``gc_jax``, then this checkout's ``benchmarks``."""
+    cmd = [sys.executable, "-m", "benchmarks.speed", *worker_argv(args, src)]
+    path = [str(src), str(common.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=src.parent, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def commits(args: argparse.Namespace) -> None:
+    """``--commits``: ``--rounds`` rounds of one worker per commit, alternating the order."""
+    tmp = Path(tempfile.mkdtemp())
+    for c in args.commits:
+        (tmp / c).mkdir()
+        archive = subprocess.run(["git", "archive", c, "gc_jax"], cwd=common.ROOT,
+                                 check=True, capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(tmp / c)], input=archive, check=True)
+    ratios = {c: {"wall": [], "cpu": []} for c in args.commits}
+    for r in range(args.rounds):
+        for c in args.commits if r % 2 == 0 else args.commits[::-1]:
+            d = worker_run(args, tmp / c)
+            for m in ("wall", "cpu"):
+                ratios[c][m] += [g / f for g, f in zip(d["gc"][m], d["full"][m], strict=True)]
+        print(f"round {r}: load average {os.getloadavg()[0]:.1f}", flush=True)
+    for c, x in ratios.items():
+        parts = [f"{m} median {statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]"
+                 for m, v in x.items()]  # fmt: skip
+        print(f"{c}: gc/full {', '.join(parts)} (n={len(x['wall'])})")
 
 
 if __name__ == "__main__":

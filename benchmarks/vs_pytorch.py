@@ -28,14 +28,31 @@ Each framework runs in its own process, one after the other, so that their
 allocators never share the device; the parent touches no device (it imports JAX for
 the parameters' shapes only, ``jax.eval_shape``) and prints each phase's wall time.
 ``--time-limit`` bounds the whole run: a worker still running then is stopped, and
-those not started are skipped. ``benchmarks/vs_pytorch_plan.py`` runs the GPU plan
-(several of these runs, in order of value) within one time limit.
+those not started are skipped.
+
+``--plan DIR``: the GPU plan in one command (a lent GPU session has minutes of device
+time, so the comparison has to come from one prepared command). The runs below, one
+after the other, most valuable first, each under its own time limit and never past
+``--time-limit`` in all (420 s by default; a run that would start with under
+``--min-step-s`` left is skipped), the weights drawn once for all of them; each run's
+JSON goes to ``DIR/vs_pytorch_<name>.json`` as it ends, and ``DIR/vs_pytorch_plan.json``
+says which ran, how long each took and how each ended. A run that fails or times out
+does not stop the next. The runs (chunks of 256 rows; ``--tiny``: the 2-layer model,
+chunks of 8, batches of 32 for 4,096 and 64 for 65,536, a CPU check of the plan):
+
+1. bf16, B = 4,096, both sides, ``--check`` (the same weights: losses and gradients);
+2. bf16, B = 65,536, both sides, two timed steps (XLA's attention in both bf16 runs);
+3. fp32, B = 4,096, both sides;
+4. bf16, B = 4,096, gc_jax only, cuDNN's fused attention (``--attention cudnn``);
+5. fp32, B = 65,536, both sides, two timed steps.
 
 Usage::
 
     python -m benchmarks.vs_pytorch --precisions bf16 --batches 4096 65536 --chunk 256
     python -m benchmarks.vs_pytorch --tiny --check   # CPU smoke test, both sides agree
     python -m benchmarks.vs_pytorch --tiny --frameworks jax   # no PyTorch needed
+    python -m benchmarks.vs_pytorch --plan DIR --time-limit 420   # the GPU plan
+    python -m benchmarks.vs_pytorch --plan /tmp/plan --tiny --frameworks jax
 
 The PyTorch side needs ``torch``, ``transformers`` and GradCache: ``pip install
 gradcache==0.0.1`` (its module imports itself as ``grad_cache``, which that package
@@ -59,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +106,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="default benchmarks/results/vs_pytorch.json")
     p.add_argument("--time-limit", type=float, help="seconds for the whole run (workers stopped)")
     p.add_argument("--weights", help="an npz of draw_weights' (default: drawn here, per run)")
+    p.add_argument("--plan", type=Path, metavar="DIR", help="the GPU plan's runs, JSON in DIR")
+    p.add_argument("--min-step-s", type=float, default=40.0, help="--plan: no run with less left")
     p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=json.loads, help=argparse.SUPPRESS)
     p.add_argument("--dump", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plan and (args.batches or args.check or args.weights or args.json):
+        p.error("--plan sets each run's --batches, --check, --weights and --json itself")
     args.batches = args.batches or ([32, 64] if args.tiny else [4096, 65536])
     args.chunk = args.chunk or (8 if args.tiny else 256)
     if args.steps < 1 or args.warmup < 1:
@@ -532,6 +554,8 @@ def main(argv=None) -> None:
     if args.worker:
         args.t0 = time.perf_counter()
         return {"jax": jax_worker, "torch": torch_worker}[args.worker](args)
+    if args.plan:
+        return run_plan(args, argv)
     t_start = time.perf_counter()
     args.stop_at = t_start + (args.time_limit or float("inf"))
     args.sizes = model_sizes(args.tiny)
@@ -589,6 +613,85 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
+
+
+# --- --plan: the GPU plan, its runs in order of value, in time ---------------------------
+
+# (name, seconds at most, this script's arguments), most valuable first. The times are
+# planned from the H200's: a 4,096-row worker took 30-50 s (33 s of it compiling); a
+# 65,536-row step of gc_jax ~22 s in bf16, GradCache's ~30 s. XLA's attention in bf16
+# but for run 4: cuDNN's (``--attention auto``'s choice for bf16 on a GPU) has never run,
+# and the parent's path that chose it there printed no row in minutes.
+PLAN = (
+    ("bf16_4096_check", 150, "--precisions bf16 --batches 4096 --check --attention xla"),
+    (
+        "bf16_65536",
+        240,
+        "--precisions bf16 --batches 65536 --steps 2 --budget-s 100 --attention xla",
+    ),
+    ("fp32_4096", 120, "--precisions fp32 --batches 4096"),
+    ("bf16_4096_cudnn", 90, "--precisions bf16 --batches 4096 --frameworks jax --attention cudnn"),
+    ("fp32_65536", 240, "--precisions fp32 --batches 65536 --steps 2 --budget-s 100"),
+)
+TINY_BATCHES = {"4096": "32", "65536": "64"}
+
+
+def plan_argv(args: argparse.Namespace, name: str, flags: str, limit: float, weights: str):
+    """This script's arguments for one run of the plan, or None if none of its
+    frameworks is among ``--frameworks``."""
+    argv = flags.split()
+    if "--frameworks" in argv:
+        at = argv.index("--frameworks")
+        wanted = [fw for fw in argv[at + 1 : at + 2] if fw in args.frameworks]
+        if not wanted:
+            return None
+        del argv[at : at + 2]
+    else:
+        wanted = args.frameworks
+    if args.tiny:
+        argv = [TINY_BATCHES.get(a, a) for a in argv] + ["--tiny"]
+    return [*argv, "--frameworks", *wanted, "--time-limit", f"{limit:.0f}", "--weights",
+            weights, "--torch-python", args.torch_python, "--json",
+            str(args.plan / f"vs_pytorch_{name}.json")]  # fmt: skip
+
+
+def _plan_run(argv: list[str]) -> str:
+    """One run of the plan in this process: how it ended."""
+    try:
+        main(argv)
+    except (Exception, SystemExit) as e:  # the next run still gets its turn
+        traceback.print_exc()
+        return f"error: {type(e).__name__}: {e}"[:400]
+    return "done"
+
+
+def run_plan(args: argparse.Namespace, argv=None) -> None:
+    """``--plan``: every run of ``PLAN`` in turn, within ``--time-limit`` (420 s)."""
+    start, limit = time.perf_counter(), args.time_limit or 420.0
+    args.plan.mkdir(parents=True, exist_ok=True)
+    done = []
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = f"{tmp}/weights.npz"
+        draw_weights(args.tiny, weights)
+        print(f"[plan: weights drawn and saved: {time.perf_counter() - start:.1f} s]", flush=True)
+        for name, most, flags in PLAN:
+            left = limit - (time.perf_counter() - start)
+            argv_ = plan_argv(args, name, flags, min(most, left), weights)
+            if argv_ is None or left < args.min_step_s:
+                why = "skipped: " + ("no framework" if argv_ is None else f"{left:.0f} s left")
+                done.append({"name": name, "status": why})
+            else:
+                print(f"[plan: {name}, at most {min(most, left):.0f} s]", flush=True)
+                t0 = time.perf_counter()
+                status = _plan_run(argv_)
+                done.append({"name": name, "argv": argv_, "status": status,
+                             "wall_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+            print(f"[plan: {name}: {done[-1]['status']} {done[-1].get('wall_s', '')}]", flush=True)
+            plan = {"command": " ".join(["python -m benchmarks.vs_pytorch",
+                                         *(sys.argv[1:] if argv is None else argv)]),
+                    "time_limit_s": limit, "steps": done}  # fmt: skip
+            write_json(args.plan / "vs_pytorch_plan.json", plan)
+    print(f"[plan: {time.perf_counter() - start:.1f} s in all]", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,55 @@ def test_out_of_memory_messages_are_read_in_any_unit():
     assert common.out_of_memory(RuntimeError(scoped)) == (10.25 * 2**30, 15.75 * 2**30)
 
 
+def test_speed_commits_workers_time_the_parents_configuration():
+    """``benchmarks.speed --commits``: each commit's worker process is given the model,
+    batch, chunk and rounds of the parent (``--quick`` included), and only those."""
+    from benchmarks import speed
+
+    for cli in (["--commits", "HEAD"], ["--commits", "HEAD", "--quick", "--depth", "3"]):
+        parent = speed.parse_args(cli)
+        worker = speed.parse_args(speed.worker_argv(parent, Path("/tmp/HEAD")))
+        assert worker.worker == "/tmp/HEAD" and not worker.commits and not worker.quick
+        for name in ("depth", "width", "dim_in", "dim_out", "batch", "chunk", "reps", "warmup"):
+            assert getattr(worker, name) == getattr(parent, name), (cli, name)
+    assert parent.depth == 2 and parent.batch == 256  # --quick's sizes travel too
+
+
+def test_modes_refuse_the_options_they_would_ignore(capsys):
+    """``speed --passes``/``--commits``, ``memory --floor`` and ``vs_pytorch --plan``
+    print tables or set each run's files themselves: an option they would ignore is an
+    error that names it."""
+    from benchmarks import memory, speed, vs_pytorch
+
+    for parse, argv, message in (
+        (speed.parse_args, ["--passes", "--json", "x.json"], "no --plot or --json"),
+        (speed.parse_args, ["--commits", "HEAD", "--plot", "x.png"], "no --plot or --json"),
+        (speed.parse_args, ["--passes", "--commits", "HEAD"], "not allowed with"),
+        (memory.parse_args, ["--floor", "--json", "x.json"], "no --plot or --json"),
+        (vs_pytorch.parse_args, ["--plan", "d", "--batches", "64"], "--plan sets each run's"),
+    ):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow  # runs a benchmark's model
+def test_memory_floor_prints_its_table(capsys):
+    """``benchmarks.memory --floor`` at tiny sizes: a row per depth and chunk, a column
+    per number of inputs, and the growth per extra input."""
+    from benchmarks import memory
+
+    memory.main(["--floor", "--depths", "2", "--chunks", "64", "--inputs", "1", "2", "--rows",
+                 "512", "--width", "128", "--dim-in", "128", "--dim-out", "32"])  # fmt: skip
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    header, (row,) = rows[0], rows[1:]
+    assert "| one chunk's fwd+bwd MiB | 1 input | 2 inputs | per extra input |" in header
+    cells = row.strip("| ").split(" | ")
+    assert len(cells) == header.count("|") - 1 and cells[:3] == ["2", "0.1", "64"]
+    one_chunk, one, two, extra = map(float, cells[3:])
+    assert one_chunk > 0 and one > 0 and extra == pytest.approx(two - one, abs=0.15)
+
+
 # --- the package and its index -------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,22 +312,23 @@ def test_vs_pytorch_parent_initialises_no_device(tmp_path):
 
 
 def test_vs_pytorch_plan_runs_parse_in_order(tmp_path):
-    """Every run of the GPU plan is a valid vs_pytorch command, most valuable first;
-    --frameworks drops what it does not name, --tiny shrinks the batches."""
-    from benchmarks import vs_pytorch, vs_pytorch_plan
+    """Every run of the GPU plan (``--plan``) is a valid vs_pytorch command, most
+    valuable first; --frameworks drops what it does not name, --tiny shrinks the batches."""
+    from benchmarks import vs_pytorch
 
-    names = [name for name, _, _ in vs_pytorch_plan.STEPS]
+    names = [name for name, _, _ in vs_pytorch.PLAN]
     assert names[:2] == ["bf16_4096_check", "bf16_65536"] and len(set(names)) == len(names)
     for tiny, frameworks in ((False, ["jax", "torch"]), (True, ["torch"])):
-        cli = ["--out", str(tmp_path), "--frameworks", *frameworks] + ["--tiny"] * tiny
-        plan = vs_pytorch_plan.parse_args(cli)
-        for name, most, flags in vs_pytorch_plan.STEPS:
-            argv = vs_pytorch_plan.step_argv(plan, name, flags, most, "w.npz")
+        cli = ["--plan", str(tmp_path), "--frameworks", *frameworks] + ["--tiny"] * tiny
+        plan = vs_pytorch.parse_args(cli)
+        for name, most, flags in vs_pytorch.PLAN:
+            argv = vs_pytorch.plan_argv(plan, name, flags, most, "w.npz")
             if argv is None:
                 assert "--frameworks jax" in flags and frameworks == ["torch"]
                 continue
             args = vs_pytorch.parse_args(argv)
-            assert args.time_limit == most and args.weights == "w.npz" and args.tiny == tiny
+            assert args.plan is None and args.time_limit == most and args.weights == "w.npz"
+            assert args.tiny == tiny
             assert args.json == tmp_path / f"vs_pytorch_{name}.json"
             assert set(args.frameworks) <= set(frameworks)
             rows = int(flags.split("--batches ")[1].split()[0])
