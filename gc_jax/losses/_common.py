@@ -19,9 +19,12 @@ from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
 from gc_jax.losses import _options
 from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import ring as _ring
+from gc_jax.losses._engine import families as _families
+from gc_jax.losses._engine import ring_families as _ring_families
 from gc_jax.losses._engine import strategies as _strategies
 from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine.masks import Sides
+from gc_jax.losses._engine.scores import Dot
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -174,9 +177,10 @@ def rows(kind, x, y, scalars, where: Where, ids=None, *, k: int = 1) -> jax.Arra
         block = where.block(max(n, y.shape[0]))  # dense: one tile per travelling block
         offset = _offset(n, axis_name)
         mask = _options.id_mask(ids, k, offset, offset)
-        targets = jnp.arange(n) * k
-        tiles = _blockwise.Tiles(kind, block, x, y, targets, scale, bias, mask)
-        return _ring.rows(tiles, axis_name)
+        meta = _families.one_meta(mask, jnp.arange(n) * k)
+        spec = _families.one(kind, Dot, None if mask is None else mask.rule, k)
+        inputs = _families.Inputs(Sides(x=x, y=y), scale, meta, bias)
+        return _ring_families.call(_ring_families.RingPlan(spec, block, axis_name), inputs)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
     if axis_name is None:  # jit over a mesh: every array whole
@@ -187,9 +191,9 @@ def rows(kind, x, y, scalars, where: Where, ids=None, *, k: int = 1) -> jax.Arra
     mask = _options.id_mask(ids, k, _offset(n, axis_name), 0, cols)
     x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
     if block_size is not None:
-        return _blockwise.call(
-            _blockwise.Tiles(kind, block_size, x, ys, targets, scale, bias, mask)
-        )
+        spec = _families.one(kind, Dot, None if mask is None else mask.rule, k)
+        inputs = _families.Inputs(Sides(x=x, y=ys), scale, _families.one_meta(mask, targets), bias)
+        return _families.blockwise(spec, block_size, inputs)
     logits = _logits(x, ys, scale, bias)
     positive = jnp.arange(ys.shape[0]) == targets[:, None]
     keep = None if mask is None else _dense_keep(mask, n, ys.shape[0])

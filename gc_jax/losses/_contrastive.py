@@ -293,7 +293,7 @@ def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
         ids = (options.query_ids is not None, options.doc_ids is not None)
         sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
     if block_size is not None:
-        return _families.blockwise(spec, block_size, sides, scale, meta)
+        return _families.blockwise(spec, block_size, _families.Inputs(sides, scale, meta))
     return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)
 
 

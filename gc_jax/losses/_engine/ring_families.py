@@ -1,6 +1,6 @@
-"""The families of ``_families`` across devices on a ring (``method="ring"``).
+"""The specs of ``_families`` across devices on a ring (``method="ring"``).
 
-As in ``_ring``, every device keeps its rows; the columns travel. Each side whose
+On ``_ring``'s schedule every device keeps its rows; the columns travel. Each side whose
 rows are some family's columns (documents ``y``, then queries ``x`` when a family
 scores against queries) makes one pass around the ring, each block with its
 metadata (ids, the guide's rows, its first row's global index), so the masks of
@@ -32,7 +32,6 @@ from gc_jax.losses._engine.families import Inputs, Spec, targets_of
 from gc_jax.losses._engine.masks import Mask, Sides
 from gc_jax.losses._engine.order import after, after_on_cpu
 from gc_jax.losses._engine.ring import around, around_back
-from gc_jax.losses._engine.strategies import Softmax
 from gc_jax.losses._engine.tiles import Firsts
 
 
@@ -58,24 +57,34 @@ class RingPlan(NamedTuple):
         return _forward(self, inputs)
 
     def backward(self, inputs: Inputs, stats: tuple, g: jax.Array) -> Inputs:
-        grads, dscale, dalpha = _backward(self, inputs, stats, g)
-        return Inputs(grads, dscale, _families.alpha_cotangent(inputs.meta, dalpha))
+        one = _one_pass(self.spec)
+        grads, scalars, dalpha = (_backward_one if one else _backward)(self, inputs, stats, g)
+        return Inputs(grads, *scalars[:1], _families.alpha_cotangent(inputs.meta, dalpha),
+                      scalars[1])  # fmt: skip
 
     def tiles(self, fam, inputs: Inputs, here: tuple, own: bool) -> _blockwise.Tiles:
         """Family ``fam``'s tiles of this device's rows against the block ``here``
         (``(columns, their metadata)``; ``own``: this device's, holding the targets)."""
-        sides, scale, meta = inputs
+        spec, (sides, scale, meta, bias) = self.spec, inputs
         reps, cols_meta = here
         targets = targets_of(fam, meta) if own else None
-        mask = Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
-        zero = jnp.zeros((), scale.dtype)
-        rows = _rows(fam, sides, self.spec.k)
-        return _blockwise.Tiles(Softmax, self.block, rows, reps, targets, scale, zero, mask)
+        mask = None if fam.rule is None else Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
+        bias = jnp.zeros((), scale.dtype) if bias is None else bias
+        rows = _rows(fam, sides, spec.k)
+        return _blockwise.Tiles(spec.kind, self.block, rows, reps, targets, scale, bias, mask,
+                                spec.score)  # fmt: skip
+
+
+def _one_pass(spec: Spec) -> bool:
+    """Whether ``spec`` is one family of queries against documents (one ring, whose
+    backward needs no buffer for the documents but the one that travels)."""
+    return len(spec.families) == 1 and spec.families[0][:2] == ("x", "y")
 
 
 def _forward(plan: RingPlan, inputs: Inputs) -> tuple[jax.Array, tuple]:
-    spec, (sides, scale, meta) = plan.spec, inputs
-    carries = (_blockwise.init(Softmax, sides.x, sides.y, dtype=scale.dtype),) * spec.groups
+    spec, (sides, scale, meta, _) = plan.spec, inputs
+    kind = spec.kind
+    carries = (_blockwise.init(kind, sides.x, sides.y, dtype=scale.dtype),) * spec.groups
     for n, side in enumerate(_passes(spec)):
 
         def visit(here, carries, own, side=side):
@@ -89,8 +98,36 @@ def _forward(plan: RingPlan, inputs: Inputs) -> tuple[jax.Array, tuple]:
         if n:  # the second ring starts once the first is done
             here = after(here, carries)
         carries = around(visit, here, carries, plan.axis_name)
-    losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
-    return sum(losses) / spec.groups, stats
+    losses, stats = zip(*(kind.finish(c) for c in carries), strict=True)
+    return _families.mean(losses), stats
+
+
+def _backward_one(plan: RingPlan, inputs: Inputs, stats: tuple, g: jax.Array):
+    """The backward of one family of queries ``x`` against documents ``y``: ``dx`` and
+    the scalars' gradients stay here, ``dy`` travels one step behind its block and
+    comes home after the full circle."""
+    spec, (sides, scale, meta, bias) = plan.spec, inputs
+    (fam,), score, acc = spec.families, spec.score, scale.dtype
+    x, ys, g = sides.x, sides.y, g / spec.groups
+    boosts = fam.rule is not None and fam.rule.hardness is not None
+
+    def visit(here, behind, grads, own):  # both sweeps add into the buffers they carry
+        dx, *scalars = grads
+        tiles = plan.tiles(fam, inputs, here, own)
+        dx, behind, *more = _blockwise.backward(tiles, stats[0], g, into=(dx, behind))
+        return behind, (dx, *(a + b for a, b in zip(scalars, more, strict=True)))
+
+    zero = _tiles.scalar_zero(x, acc, ys)
+    start = _tiles.zeros(score.leaf(ys), acc, x, ys)
+    grads = (_tiles.zeros(score.leaf(x), acc, x, ys), zero, zero) + ((zero,) if boosts else ())
+    here = (ys, meta.cols.of("y"))
+    dys, grads = around_back(visit, here, start, grads, plan.axis_name)
+    dx, dscale, dbias, *dalpha = after(grads, dys)  # every ppermute before the psum
+    dx = dx.astype(score.leaf(x).dtype)
+    dys = dys.astype(score.leaf(ys).dtype)
+    grads = _families.cotangents(score, sides, Sides(x=dx, y=dys))
+    dbias = None if bias is None else dbias
+    return grads, (dscale, dbias), dalpha[0] if dalpha else None
 
 
 def _add(fam, state: tuple, buf: Any, more: tuple) -> tuple:
@@ -104,7 +141,8 @@ def _add(fam, state: tuple, buf: Any, more: tuple) -> tuple:
 
 
 def _backward(plan: RingPlan, inputs: Inputs, stats: tuple, g: jax.Array):
-    spec, (sides, scale, meta) = plan.spec, inputs
+    """The backward of several families (``inputs.bias`` None: no bias)."""
+    spec, (sides, scale, meta, _) = plan.spec, inputs
     acc = scale.dtype
     zero, g = jnp.zeros((), acc), g / spec.groups
     x, y = sides.x, sides.y
@@ -150,16 +188,20 @@ def _backward(plan: RingPlan, inputs: Inputs, stats: tuple, g: jax.Array):
     dx, dscale, dalpha = after((dx, dscale, dalpha), dy)  # every ppermute before the psums
     dscale, dalpha = after((dscale, dalpha), dx)
     grads = Sides(x=dx.astype(x.dtype), y=dy.astype(y.dtype))  # a bank's columns: no gradient
-    return grads, dscale, dalpha[0] if dalpha else None
+    return grads, (dscale, None), dalpha[0] if dalpha else None
 
 
 def call(plan: RingPlan, inputs: Inputs) -> jax.Array:
     """Per-query losses of this device's rows against every device's, on the ring.
 
     ``inputs``: this device's sides (its bank's too: their blocks travel like ``y``'s)
-    and their metadata, the targets indexing this device's own block.
+    and their metadata, the targets indexing this device's own block. The scalars are
+    cast to the accumulation dtype; they and the metadata vary like the rows.
     """
-    sides, scale, meta = inputs
-    acc = _blockwise.accumulation_dtype(sides.x, sides.y, scale)
-    scale, meta = _tiles.varying_like((jnp.asarray(scale, acc), meta), sides.x, sides.y)
-    return _vjp.rowwise(plan, Inputs(sides, scale, meta))
+    sides, scale, meta, bias = inputs
+    leaf = plan.spec.score.leaf
+    scalars = (scale,) if bias is None else (scale, bias)
+    acc = _blockwise.accumulation_dtype(leaf(sides.x), leaf(sides.y), *scalars)
+    scalars = tuple(None if v is None else jnp.asarray(v, acc) for v in (scale, bias))
+    (scale, bias), meta = _tiles.varying_like((scalars, meta), sides.x, sides.y)
+    return _vjp.rowwise(plan, Inputs(sides, scale, meta, bias))
