@@ -20,7 +20,7 @@ from gc_jax._base import AxisName
 from gc_jax.losses import _options
 from gc_jax.losses._engine import blockwise as _blockwise
 from gc_jax.losses._engine import families as _families
-from gc_jax.losses._engine import ring_families as _ring_families
+from gc_jax.losses._engine import plan as _plan
 from gc_jax.losses._engine import strategies as _strategies
 from gc_jax.losses._engine import tiles as _tiles
 from gc_jax.losses._engine.masks import Sides
@@ -180,7 +180,7 @@ def rows(kind, x, y, scalars, where: Where, ids=None, *, k: int = 1) -> jax.Arra
         meta = _families.one_meta(mask, jnp.arange(n) * k)
         spec = _families.one(kind, Dot, None if mask is None else mask.rule, k)
         inputs = _families.Inputs(Sides(x=x, y=y), scale, meta, bias)
-        return _ring_families.call(_ring_families.RingPlan(spec, block, axis_name), inputs)
+        return _plan.call(_plan.Plan(spec, block, axis_name), inputs)
     ys = _gather(y, axis_name)
     targets = _targets(n, k, axis_name)
     if axis_name is None:  # jit over a mesh: every array whole
@@ -193,7 +193,7 @@ def rows(kind, x, y, scalars, where: Where, ids=None, *, k: int = 1) -> jax.Arra
     if block_size is not None:
         spec = _families.one(kind, Dot, None if mask is None else mask.rule, k)
         inputs = _families.Inputs(Sides(x=x, y=ys), scale, _families.one_meta(mask, targets), bias)
-        return _families.blockwise(spec, block_size, inputs)
+        return _plan.call(_plan.Plan(spec, block_size), inputs)
     logits = _logits(x, ys, scale, bias)
     positive = jnp.arange(ys.shape[0]) == targets[:, None]
     keep = None if mask is None else _dense_keep(mask, n, ys.shape[0])

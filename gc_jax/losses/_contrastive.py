@@ -12,7 +12,7 @@ from gc_jax.losses import _bank, _common, _docs, _options
 from gc_jax.losses._bank import Bank
 from gc_jax.losses._engine import blockwise as _blockwise
 from gc_jax.losses._engine import families as _families
-from gc_jax.losses._engine import ring_families as _ring_families
+from gc_jax.losses._engine import plan as _plan
 from gc_jax.losses._engine.masks import Sides, Targets
 
 
@@ -293,7 +293,7 @@ def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
         ids = (options.query_ids is not None, options.doc_ids is not None)
         sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
     if block_size is not None:
-        return _families.blockwise(spec, block_size, _families.Inputs(sides, scale, meta))
+        return _plan.call(_plan.Plan(spec, block_size), _families.Inputs(sides, scale, meta))
     return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)
 
 
@@ -313,5 +313,5 @@ def _ring_rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
     targets = Targets(first=local * spec.k if "first" in used else None,
                       self=local if "self" in used else None)  # fmt: skip
     meta = meta._replace(targets=targets)
-    plan = _ring_families.RingPlan(spec, where.block(max(n, len(y))), axis_name)
-    return _ring_families.call(plan, _families.Inputs(sides, scale, meta))
+    plan = _plan.Plan(spec, where.block(max(n, len(y))), axis_name)
+    return _plan.call(plan, _families.Inputs(sides, scale, meta))

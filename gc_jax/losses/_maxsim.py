@@ -11,7 +11,7 @@ from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
 from gc_jax.losses import _common, _docs, _options
 from gc_jax.losses._engine import families as _families
-from gc_jax.losses._engine import ring_families as _ring_families
+from gc_jax.losses._engine import plan as _plan
 from gc_jax.losses._engine.masks import Sides
 from gc_jax.losses._engine.scores import MaxSim, Side
 from gc_jax.losses._engine.strategies import Softmax
@@ -120,8 +120,8 @@ def _rows(x: Side, y: Side, k: int, scale, where: _common.Where) -> jax.Array:
         block = where.block(max(n, len(y.tokens)))  # dense: one tile per travelling block
         meta = _families.one_meta(None, jnp.arange(n) * k)
         inputs = _families.Inputs(Sides(x=x, y=y), scale, meta, 0.0)
-        plan = _ring_families.RingPlan(_families.one(Softmax, MaxSim, k=k), block, axis_name)
-        return _ring_families.call(plan, inputs)
+        plan = _plan.Plan(_families.one(Softmax, MaxSim, k=k), block, axis_name)
+        return _plan.call(plan, inputs)
     if axis_name is not None:
         y = Side(*(_distributed.all_gather(v, axis_name) for v in y))
     offset = 0 if axis_name is None else _distributed.axis_index_offset(n, axis_name)
@@ -131,7 +131,7 @@ def _rows(x: Side, y: Side, k: int, scale, where: _common.Where) -> jax.Array:
     x, y = Side(qt, qm), Side(dt, dm)
     if block_size is not None:
         inputs = _families.Inputs(Sides(x=x, y=y), scale, _families.one_meta(None, targets), 0.0)
-        return _families.blockwise(_families.one(Softmax, MaxSim, k=k), block_size, inputs)
+        return _plan.call(_plan.Plan(_families.one(Softmax, MaxSim, k=k), block_size), inputs)
     logits = scale * MaxSim.raw(x, y, scale.dtype)[0]
     positive = jnp.arange(len(y.tokens)) == targets[:, None]
     return jax.nn.logsumexp(logits, axis=1) - jnp.sum(jnp.where(positive, logits, 0), axis=1)

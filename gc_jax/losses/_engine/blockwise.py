@@ -21,9 +21,9 @@ and over key blocks for ``dys``, so that no batch-sized gradient is carried acro
 blocks. The second sweep writes ``dys`` over ``ys`` (each block is read just before it
 is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering
 ``ys`` across devices happens outside, so its transpose (a reduce-scatter) is left
-to JAX; the ring form (``_ring_families``) instead runs :func:`sweep` and
-the backward once per block of ``ys`` that reaches the device. The engines
-(``_families``, ``_ring_families``) build the tiles of each family of a loss.
+to JAX; the ring form instead runs :func:`sweep` and the backward once per
+block of ``ys`` that reaches the device. The engine (``_plan``) builds the tiles of
+each family of a loss.
 
 *Precision*: tiles, per-row statistics and per-block gradients are computed in the
 *accumulation dtype*, the inputs' dtype widened to at least float32 (the scalars'

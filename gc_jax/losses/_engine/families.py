@@ -1,4 +1,4 @@
-"""Losses over one or several families of logits, each query's row summed over all.
+"""What a loss computes: its families of logits (a :class:`Spec`), and its dense form.
 
 A *family* scores one side's rows against one side's columns: queries (``"x"``) or
 each query's positive document (``"p"``, rows ``0, k, 2k, ...`` of ``y``, read in
@@ -10,12 +10,10 @@ the strategy (``Softmax``; ``Sigmoid`` sums one family's pairwise terms instead)
 the score (``Dot``, or ``MaxSim`` over token vectors); SigLIP, MaxSim and InfoNCE with
 ids alone are specs of one family (:func:`one`), whose logits may also take a bias.
 
-Three forms, the same values: :func:`dense` (whole logit matrices),
-:func:`blockwise` (tiles, a custom VJP: :class:`Plan`; ``_ring_families`` runs the same
-specs across devices). The blockwise backward adds each family's gradients into one buffer per
-side (``_blockwise.backward(into=...)``): the first family writes its buffers over
-copies of its inputs, the others add to them, so no batch-sized gradient is summed
-outside the loops; a spec of one family writes them over copies of its inputs.
+Two forms, the same values: :func:`dense` (whole logit matrices) and ``_plan.Plan``
+(tiles, a custom VJP, on one device or a ring of devices). The helpers here (the
+engine's :class:`Inputs`, the rows and columns of a family, the cotangents of the
+metadata) serve both.
 """
 
 from __future__ import annotations
@@ -26,9 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import sweeps as _sweeps
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine import vjp as _vjp
 from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides, Targets
 from gc_jax.losses._engine.scores import Dot, Score
 from gc_jax.losses._engine.strategies import Softmax, Strategy
@@ -92,20 +88,14 @@ def one_meta(mask: Mask | None, targets: jax.Array) -> Metadata:
     return Metadata(cols=Sides(y=mask.cols), rows=Sides(x=mask.rows), targets=targets)
 
 
-def _rows_of(fam: Family, sides: Sides, k: int) -> Any:
+def rows_of(fam: Family, sides: Sides, k: int) -> Any:
     return sides.x if fam.rows == "x" else Firsts(sides.y, k)
 
 
-def _cols_key(fam: Family, sides: Sides) -> str:
+def cols_key(fam: Family, sides: Sides) -> str:
     """The side holding the family's columns: the gathered ones if any."""
     gathered = "c" + fam.cols
     return gathered if sides.of(gathered) is not None else fam.cols
-
-
-def _mask(fam: Family, meta: Metadata) -> Mask | None:
-    if fam.rule is None:
-        return None
-    return Mask(fam.rule, meta.rows.of(fam.rows), meta.cols.of(fam.cols))
 
 
 def targets_of(fam: Family, meta: Metadata) -> jax.Array | None:
@@ -118,8 +108,8 @@ def dense(spec: Spec, sides: Sides, scale: Scalar, meta: Metadata) -> jax.Array:
     groups = [[] for _ in range(spec.groups)]
     target = [0.0] * spec.groups
     for fam in spec.families:
-        rows = _tiles.dense(_rows_of(fam, sides, spec.k))
-        cols = sides.of(_cols_key(fam, sides))
+        rows = _tiles.dense(rows_of(fam, sides, spec.k))
+        cols = sides.of(cols_key(fam, sides))
         raw = jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
         rm, cm = _tiles.dense(meta.rows.of(fam.rows)), _tiles.dense(meta.cols.of(fam.cols))
         at = (rm, cm, jnp.arange(raw.shape[0]), jnp.arange(raw.shape[1]))
@@ -145,71 +135,9 @@ class Inputs(NamedTuple):
     bias: Scalar | None = None
 
 
-class Plan(NamedTuple):
-    """The engine (``_vjp.Engine``) of ``spec``'s families on one device (or over the
-    gathered columns), in tiles of ``block`` rows (static, hashable)."""
-
-    spec: Spec
-    block: int
-
-    def forward(self, inputs: Inputs) -> tuple[jax.Array, tuple]:
-        return forward(self.spec, self.block, inputs)
-
-    def backward(self, inputs: Inputs, stats: tuple, g: jax.Array) -> Inputs:
-        grads, (dscale, dbias), dalpha = backward(self.spec, self.block, inputs, stats, g)
-        return Inputs(grads, dscale, alpha_cotangent(inputs.meta, dalpha), dbias)
-
-
-def tiles_of(spec: Spec, block: int, fam: Family, inputs: Inputs) -> _blockwise.Tiles:
-    """Family ``fam``'s tiles: its rows against its columns (the gathered ones if any)."""
-    sides, scale, meta, bias = inputs
-    rows, cols = _rows_of(fam, sides, spec.k), sides.of(_cols_key(fam, sides))
-    bias = jnp.zeros((), scale.dtype) if bias is None else bias
-    return _blockwise.Tiles(spec.kind, block, rows, cols, targets_of(fam, meta), scale, bias,
-                            _mask(fam, meta), spec.score)  # fmt: skip
-
-
 def mean(losses: tuple) -> jax.Array:
     """The mean of the groups' per-row losses (one group: its own, no arithmetic)."""
     return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
-
-
-def forward(spec: Spec, block: int, inputs: Inputs) -> tuple[jax.Array, tuple]:
-    """Per-query losses and each group's statistic (its log-sum-exp), tile by tile."""
-    sides, scale = inputs.sides, inputs.scale
-    carries = [_blockwise.init(spec.kind, sides.x, sides.y, dtype=scale.dtype)] * spec.groups
-    for fam in spec.families:
-        tiles = tiles_of(spec, block, fam, inputs)
-        carries[fam.group] = _blockwise.sweep(tiles, carries[fam.group])
-    losses, stats = zip(*(spec.kind.finish(c) for c in carries), strict=True)
-    return mean(losses), stats
-
-
-def backward(spec, block, inputs, stats, g) -> tuple[Sides, tuple, Any]:
-    """Cotangents of the sides, of ``(scale, bias)`` (the bias's None without one) and
-    of the hardness strength (None without hardness), every family's added into one
-    buffer per side."""
-    sides = inputs.sides
-    g = g / spec.groups
-    grads, dscale, dbias, dalpha = Sides(), None, None, None
-    for fam in spec.families:
-        tiles, stat = tiles_of(spec, block, fam, inputs), (stats[fam.group], g)
-        cols_key = _cols_key(fam, sides)
-        if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
-            grads, (ds, db, *da) = _add_rows(fam, (tiles, *stat), grads, sides)
-        elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
-            dx, dcols, ds, db, *da = _blockwise.backward(tiles, *stat)
-            grads = grads.put("x", dx).put(cols_key, dcols)
-        else:
-            grads, (ds, db, *da) = _add_family(fam, (tiles, *stat), grads, sides, cols_key)
-        dscale, dbias = _plus(dscale, ds), _plus(dbias, db)
-        dalpha = add_alpha(dalpha, da)
-    dbias = None if inputs.bias is None else dbias
-    return cotangents(spec.score, sides, grads), (dscale, dbias), dalpha
-
-
-def _plus(total: Any, more: jax.Array) -> jax.Array:
-    return more if total is None else total + more
 
 
 def cotangents(score: Any, sides: Sides, grads: Sides) -> Sides:
@@ -237,36 +165,7 @@ def alpha_cotangent(meta: dict, dalpha: Any) -> Any:
     return cotangent._replace(rows=cotangent.rows._replace(x=x))
 
 
-def _add_family(fam, args, grads, sides, cols_key):
-    """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new);
-    returns ``grads`` and the scalars' (``_sweeps.Sweeps.query_sweep``)."""
-    for key in ("y" if fam.rows == "p" else "x", cols_key):
-        if grads.of(key) is None:
-            grads = grads.put(key, _zeros_of(sides.of(key), *sides))
-    row_key = "x" if fam.rows == "x" else "y"
-    row_buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), fam.rule.k)
-    same = row_key == cols_key  # rows and columns are rows of one array
-    row_buf, col_buf, *scalars = _blockwise.backward(
-        *args, into=(row_buf, None if same else grads.of(cols_key))
-    )
-    grads = grads.put(row_key, row_buf.array if isinstance(row_buf, Firsts) else row_buf)
-    if not same:
-        grads = grads.put(cols_key, col_buf)
-    return grads, scalars
-
-
-def _add_rows(fam, args, grads, sides):
-    """Adds one family's rows' gradients into ``grads``: its columns are constants."""
-    row_key = "x" if fam.rows == "x" else "y"
-    if grads.of(row_key) is None:
-        grads = grads.put(row_key, _zeros_of(sides.of(row_key), *sides))
-    buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), fam.rule.k)
-    buf, *scalars = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
-    grads = grads.put(row_key, buf.array if isinstance(buf, Firsts) else buf)
-    return grads, scalars
-
-
-def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
+def zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     """Zeros like ``v``, broadcast from a zero computed from ``v`` itself.
 
     A constant zero would be one broadcast, shared by every side's buffer of that
@@ -274,29 +173,6 @@ def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     """
     zero = jnp.where(v[0, 0] > jnp.inf, 1, 0).astype(v.dtype)  # never true, NaN included
     return _tiles.varying_like(jnp.full_like(v, zero), *others)
-
-
-def blockwise(spec: Spec, block: int, inputs: Inputs) -> jax.Array:
-    """Per-query losses, tile by tile (a custom VJP).
-
-    ``inputs.sides``: ``x`` (this device's queries), ``y`` (their documents) and, in
-    the gather form, ``cx``/``cy``: the columns gathered from every device (else None:
-    the columns are ``x`` and ``y`` themselves). The scalars are cast to the
-    accumulation dtype, varying like the rows.
-    """
-    sides, scale, meta, bias = inputs
-    arrays = [v for v in sides if v is not None]
-    scalars = (scale,) if bias is None else (scale, bias)
-    leaves = [spec.score.leaf(v) for v in arrays]
-    acc = _blockwise.accumulation_dtype(*leaves, *scalars)
-    scale, bias = _tiles.varying_like(tuple(_cast(v, acc) for v in (scale, bias)), *arrays)
-    if meta.rows.x is not None and meta.rows.x.alpha is not None:  # differentiated like scale
-        meta = vary_alpha(meta, *arrays)
-    return _vjp.rowwise(Plan(spec, block), Inputs(sides, scale, meta, bias))
-
-
-def _cast(v: Any, dtype: Any) -> Any:
-    return None if v is None else jnp.asarray(v, dtype)
 
 
 def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:
@@ -309,25 +185,3 @@ def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:
 
 def _is_meta(v: Any) -> bool:
     return isinstance(v, Meta)
-
-
-def one_family(kind: Strategy, x: Any, ys: Any, scalars: tuple, block: int) -> jax.Array:
-    """Per-row losses of one family of logits, rows ``x`` against columns ``ys``, each
-    row ``i``'s target column ``i`` (:func:`one`), blockwise; ``scalars``: ``(scale, bias)``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> from gc_jax.losses._engine.strategies import Sigmoid
-      >>> x, ys = jnp.eye(3), jnp.eye(3)[::-1]
-      >>> dense = -jax.nn.log_softmax(2.0 * x @ ys.T)[jnp.arange(3), jnp.arange(3)]
-      >>> bool(jnp.allclose(one_family(Softmax, x, ys, (2.0, 0.0), block=2), dense))
-      True
-      >>> labels = 2 * jnp.eye(3) - 1
-      >>> dense = -jax.nn.log_sigmoid(labels * (5.0 * x @ x.T - 1.0)).sum(1)
-      >>> rows = one_family(Sigmoid, x, x, (5.0, -1.0), block=2)
-      >>> bool(jnp.allclose(rows, dense))
-      True
-    """
-    meta = one_meta(None, jnp.arange(len(x)))
-    inputs = Inputs(Sides(x=x, y=ys), scalars[0], meta, scalars[1])
-    return blockwise(one(kind), block, inputs)

@@ -1,7 +1,7 @@
 """The ring across devices: the one schedule every ring loss runs.
 
 :func:`around` (forward) and :func:`around_back` (backward) are the schedule;
-``_ring_families`` visits each block with a spec's families. Every score
+``_plan`` visits each block with a spec's families. Every score
 (``_scores``) travels: the dot product's blocks as arrays, MaxSim's as tokens and masks.
 
 Nothing batch-sized is gathered.
@@ -60,13 +60,15 @@ def send(tree: Any, axis_name: AxisName) -> Any:
     return jax.tree.unflatten(treedef, sent)
 
 
-def around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
+def around(visit: Callable, here: Any, state: Any, axis_name: AxisName | None) -> Any:
     """The forward schedule: ``state = visit(block, state, own)`` for every device's block.
 
     Step 0 visits this device's own block (``own`` true: the one holding the targets);
     at every later step the block held is first sent on (double buffering), then
-    visited. The last block is not sent on.
+    visited. The last block is not sent on. ``axis_name`` None: one device, visited once.
     """
+    if axis_name is None:
+        return visit(here, state, True)
     size = jax.lax.axis_size(axis_name)
     if size == 1:
         return visit(here, state, True)
@@ -81,14 +83,17 @@ def around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
     return visit(here, state, False)
 
 
-def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName):
+def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName | None):
     """The backward schedule: ``(acc, state) = visit(block, acc, state, own)`` around the ring.
 
     ``acc`` is the gradient of the block visited: it travels one step behind its block
     and, after the full circle, one last ``ppermute`` brings it home, to the block's
     owner. ``acc`` and ``state`` may be None at step 0 (``visit`` then starts them).
-    Returns ``(this device's block's gradient, state)``.
+    Returns ``(this device's block's gradient, state)``. ``axis_name`` None: one device,
+    its block visited once (``acc`` stays here).
     """
+    if axis_name is None:
+        return visit(here, acc, state, True)
     size = jax.lax.axis_size(axis_name)
     arriving = send(here, axis_name) if size > 1 else here
     acc, state = visit(here, acc, state, True)

@@ -7,9 +7,9 @@ row, e.g. each row's log-sum-exp), and the inputs' cotangents from that statisti
 (``backward``, which recomputes every tile). The forward saves the inputs and the
 statistic only: nothing per tile, nothing ``rows x rows``.
 
-The engines run a ``_families.Spec`` (one family of logits or several, e.g. GTE's
-directions, a guide, a bank; its strategy and its score): ``_families.Plan`` on one
-device or over the gathered columns, ``_ring_families.RingPlan`` on a ring of devices.
+The engine is ``_plan.Plan``: a ``_families.Spec`` (one family of logits or several,
+e.g. GTE's directions, a guide, a bank; its strategy and its score) on one device, over
+the gathered columns, or on a ring of devices.
 """
 
 from __future__ import annotations
