@@ -9,6 +9,7 @@ query's loss is the mean over groups of ``lse_g - target_g``. A :class:`Spec` ca
 the strategy (``Softmax``; ``Sigmoid`` sums one family's pairwise terms instead) and
 the score (``Dot``, or ``MaxSim`` over token vectors); SigLIP, MaxSim and InfoNCE with
 ids alone are specs of one family (:func:`one`), whose logits may also take a bias.
+:func:`dense` is every loss's dense form.
 
 Two forms, the same values: :func:`dense` (whole logit matrices) and ``_plan.Plan``
 (tiles, a custom VJP, on one device or a ring of devices). The helpers here (the
@@ -25,9 +26,9 @@ import jax.numpy as jnp
 
 from gc_jax.losses._engine import blockwise as _blockwise
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.masks import Meta, Metadata, Rule, Sides
 from gc_jax.losses._engine.scores import Dot, Score
-from gc_jax.losses._engine.strategies import Softmax, Strategy
+from gc_jax.losses._engine.strategies import Sigmoid, Softmax, Strategy
 from gc_jax.losses._engine.tiles import Firsts
 
 Scalar = jax.Array
@@ -79,15 +80,6 @@ def one(kind: Strategy, score: Score = Dot, rule: Rule | None = None, k: int = 1
     return Spec((Family("x", "y", rule, 0, "first"),), 1, k, kind, score)
 
 
-def one_meta(mask: Mask | None, targets: jax.Array) -> Metadata:
-    """The metadata of :func:`one`'s family: ``mask``'s rows' and columns' (None: every
-    pair is kept) and each row's target column."""
-    targets = Targets(first=targets)
-    if mask is None:
-        return Metadata(Sides(), Sides(), targets)
-    return Metadata(cols=Sides(y=mask.cols), rows=Sides(x=mask.rows), targets=targets)
-
-
 def rows_of(fam: Family, sides: Sides, k: int) -> Any:
     return sides.x if fam.rows == "x" else Firsts(sides.y, k)
 
@@ -103,26 +95,65 @@ def targets_of(fam: Family, meta: Metadata) -> jax.Array | None:
     return None if fam.target is None else getattr(meta.targets, fam.target)
 
 
-def dense(spec: Spec, sides: Sides, scale: Scalar, meta: Metadata) -> jax.Array:
-    """Per-query losses from whole logit matrices (the families' pairs masked out)."""
+def dense(spec: Spec, sides: Sides, scalars: tuple, meta: Metadata) -> jax.Array:
+    """Per-query losses from whole logit matrices (the families' pairs masked out).
+
+    ``scalars``: ``(scale, bias)`` in the accumulation dtype (the bias None: none).
+    """
     groups = [[] for _ in range(spec.groups)]
     target = [0.0] * spec.groups
     for fam in spec.families:
-        rows = _tiles.dense(rows_of(fam, sides, spec.k))
-        cols = sides.of(cols_key(fam, sides))
-        raw = jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
-        rm, cm = _tiles.dense(meta.rows.of(fam.rows)), _tiles.dense(meta.cols.of(fam.cols))
-        at = (rm, cm, jnp.arange(raw.shape[0]), jnp.arange(raw.shape[1]))
-        z, keep, boost = scale * raw, fam.rule.keep(*at), fam.rule.boost(*at)
-        if boost is not None:
-            z = z + jnp.where(boost[0], boost[1] * jax.lax.stop_gradient(raw), 0)
+        z, keep, targets = _dense_logits(spec, fam, sides, scalars, meta)
+        if spec.kind is Sigmoid:  # a sum of pairwise terms, one family
+            return _sigmoid_rows(z, keep, targets)
         groups[fam.group].append(z if keep is None else jnp.where(keep, z, -jnp.inf))
-        targets = targets_of(fam, meta)
         if targets is not None:
             pos = jnp.arange(z.shape[1]) == targets[:, None]
             target[fam.group] = target[fam.group] + jnp.sum(jnp.where(pos, z, 0), axis=1)
     lse = [jax.nn.logsumexp(jnp.concatenate(g, axis=1), axis=1) for g in groups]
     return sum(a - b for a, b in zip(lse, target, strict=True)) / spec.groups
+
+
+def _dense_logits(spec: Spec, fam: Family, sides: Sides, scalars: tuple, meta: Metadata):
+    """Family ``fam``'s whole ``[rows, cols]`` logits, the pairs it keeps (None: all) and
+    its targets (None: none)."""
+    (scale, bias), score = scalars, spec.score
+    rows, cols = _tiles.dense(rows_of(fam, sides, spec.k)), sides.of(cols_key(fam, sides))
+    hard = fam.rule is not None and fam.rule.hardness is not None  # boosts read raw scores
+    raw = score.raw(rows, cols, scale.dtype)[0] if hard else None
+    z = scale * raw if hard else _scaled(spec, rows, cols, scale)
+    z = z if bias is None else z + bias
+    if fam.rule is None:
+        return z, None, targets_of(fam, meta)
+    rm, cm = _tiles.dense(meta.rows.of(fam.rows)), _tiles.dense(meta.cols.of(fam.cols))
+    at = (rm, cm, jnp.arange(_tiles.count(rows)), jnp.arange(_tiles.count(cols)))
+    keep, boost = fam.rule.keep(*at), fam.rule.boost(*at)
+    if boost is not None:
+        z = z + jnp.where(boost[0], boost[1] * jax.lax.stop_gradient(raw), 0)
+    return z, keep, targets_of(fam, meta)
+
+
+def _scaled(spec: Spec, rows: Any, cols: Any, scale: Scalar) -> jax.Array:
+    """``scale`` times the whole ``[rows, cols]`` scores, accumulated in ``scale``'s dtype.
+
+    Sigmoid's rows of one vector already in that dtype are scaled before the product,
+    on ``[rows, dim]``, so the compiler need not keep the unscaled product as a second
+    ``[rows, cols]`` buffer. The softmax forms scale the product: scaled rows would
+    save that buffer there too, but add ops to their programs. Narrow rows are never
+    rounded again by the scale: it multiplies the accumulated product.
+    """
+    if spec.kind is Sigmoid and spec.score is Dot and rows.dtype == scale.dtype:
+        return jnp.matmul(rows * scale, cols.T, preferred_element_type=scale.dtype)
+    return scale * spec.score.raw(rows, cols, scale.dtype)[0]
+
+
+def _sigmoid_rows(z: jax.Array, keep: Any, targets: jax.Array) -> jax.Array:
+    """Per-row sums of the sigmoid's terms ``-log sigmoid(label * z)`` over the kept
+    pairs of whole logits ``z``, ``label`` ``+1`` at each row's target, ``-1`` elsewhere."""
+    positive = jnp.arange(z.shape[1]) == targets[:, None]
+    labels = jnp.where(positive, 1.0, -1.0).astype(z.dtype)
+    terms = -jax.nn.log_sigmoid(labels * z)
+    return jnp.sum(terms if keep is None else jnp.where(keep, terms, 0), axis=1)
 
 
 class Inputs(NamedTuple):

@@ -38,7 +38,7 @@ from gc_jax.losses._engine import sweeps as _sweeps
 from gc_jax.losses._engine import tiles as _tiles
 from gc_jax.losses._engine import vjp as _vjp
 from gc_jax.losses._engine.families import Family, Inputs, Spec, targets_of
-from gc_jax.losses._engine.masks import Mask, Sides
+from gc_jax.losses._engine.masks import Mask, Metadata, Sides, Targets
 from gc_jax.losses._engine.order import after, after_on_cpu
 from gc_jax.losses._engine.ring import around, around_back
 from gc_jax.losses._engine.strategies import Strategy
@@ -327,6 +327,6 @@ def one_family(kind: Strategy, x: Any, ys: Any, scalars: tuple, block: int) -> j
       >>> bool(jnp.allclose(rows, dense))
       True
     """
-    meta = _families.one_meta(None, jnp.arange(len(x)))
+    meta = Metadata(Sides(), Sides(), Targets(first=jnp.arange(len(x))))
     inputs = Inputs(Sides(x=x, y=ys), scalars[0], meta, scalars[1])
     return call(Plan(_families.one(kind), block), inputs)
