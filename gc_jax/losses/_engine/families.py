@@ -138,7 +138,8 @@ def _scaled(spec: Spec, rows: Any, cols: Any, scale: Scalar) -> jax.Array:
 
     Sigmoid's rows of one vector already in that dtype are scaled before the product,
     on ``[rows, dim]``, so the compiler need not keep the unscaled product as a second
-    ``[rows, cols]`` buffer. The softmax forms scale the product: scaled rows would
+    ``[rows, cols]`` buffer (XLA:CPU does; see docs/benchmarks/memory.md, "The dense
+    loss's third B x B buffer"). The softmax forms scale the product: scaled rows would
     save that buffer there too, but add ops to their programs. Narrow rows are never
     rounded again by the scale: it multiplies the accumulated product.
     """
