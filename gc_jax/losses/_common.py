@@ -1,9 +1,10 @@
 """What every loss shares: argument checks, the reduction, and where the rows are scored.
 
 :func:`run` reads how the rows lie (one device, ``shard_map``/``pmap``, or ``jit`` over
-a mesh) and calls a loss's per-device body there; :func:`rows` is that body's per-row
-losses in the dense, blockwise or ring form; :func:`reduce` turns this device's
-per-row losses into the global loss.
+a mesh) and calls a loss's per-device body there; :func:`rows`, the one dispatcher, is
+that body's per-row losses for every loss (a spec of its families of logits) in the
+dense, blockwise, gather or ring form; :func:`reduce` turns this device's per-row
+losses into the global loss.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _options
+from gc_jax.losses import _bank, _options
 from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import ring as _ring
-from gc_jax.losses._engine import strategies as _strategies
+from gc_jax.losses._engine import families as _families
+from gc_jax.losses._engine import plan as _plan
 from gc_jax.losses._engine import tiles as _tiles
+from gc_jax.losses._engine.masks import Metadata, Sides
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -130,15 +132,6 @@ def num_devices(axis_name: AxisName | None) -> int:
     return 1 if axis_name is None else jax.lax.axis_size(axis_name)
 
 
-def _gather(v: jax.Array, axis_name: AxisName | None) -> jax.Array:
-    return v if axis_name is None else _distributed.all_gather(v, axis_name)
-
-
-def _targets(rows: int, k: int, axis_name: AxisName | None) -> jax.Array:
-    """Index into the gathered other side of each local row's positive (``k`` per query)."""
-    return (_offset(rows, axis_name) + jnp.arange(rows)) * k
-
-
 def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> jax.Array:
     """Reduces this device's per-row losses into the global mean or sum."""
     if reduction == "none":
@@ -149,71 +142,108 @@ def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> j
     return _distributed.global_loss(share, axis_name)
 
 
-def _logits(x: jax.Array, ys: jax.Array, scale, bias=0.0) -> jax.Array:
-    """``scale * x @ ys.T + bias`` accumulated in at least float32, without casting x or ys."""
-    acc = _blockwise.accumulation_dtype(x, ys, scale, bias)
-    if x.dtype == acc:
-        # Wide rows: scaled before the product, on [rows, dim], so the compiler need not
-        # keep the unscaled product as a second [rows, cols] buffer (XLA:CPU does; see
-        # docs/benchmarks/memory.md, "The dense loss's third B x B buffer").
-        return jnp.matmul(x * scale, ys.T, preferred_element_type=acc) + bias
-    # Narrow rows are not rounded again by the scale: it multiplies the accumulated product.
-    return scale * jnp.matmul(x, ys.T, preferred_element_type=acc) + bias
+def rows(spec, x, y, scalars, where: Where, options=None) -> jax.Array:
+    """Per-row losses of this device's ``x`` against every device's ``y``: the dense,
+    blockwise, gather or ring form of every loss.
+
+    Args:
+      spec: the loss's families of logits (``_engine.families.Spec``: its strategy
+        and score).
+      x: this device's rows (an array, or a pytree of per-row leaves: MaxSim's
+        tokens and mask).
+      y: this device's columns (``k`` per row of ``x``), likewise.
+      scalars: ``(scale, bias)``: the logits' multiplier, and what is added to every
+        logit (None: nothing).
+      where: where the rows are scored (:class:`Where`).
+      options: the checked ``_options.Options`` whose ids, guide and bank (its count
+        set) the families' rules read, split like ``x`` and ``y``; None: none.
+
+    Returns:
+      This device's per-row losses.
+    """
+    options = _options.Options() if options is None else options
+    count = None if options.bank is None else options.bank.count
+    if options.bank is not None:  # the count: a scalar, not one of the bank's rows
+        options = options._replace(bank=options.bank._replace(count=None))
+    if where.ring:
+        return _ring_rows(spec, (x, y), scalars, where, (options, count))
+    return _gathered_rows(spec, (x, y), scalars, where, (options, count))
 
 
-def rows(kind, x, y, scalars, where: Where, ids=None, *, k: int = 1) -> jax.Array:
-    """Per-row losses of this device's ``x`` against every device's ``y``, ring or gathered.
-
-    ``scalars``: ``(scale, bias)``; ``k``: rows of ``y`` per row of ``x``. ``ids``:
-    ``{"qid": query ids or None, "pid": document ids or None}`` (``[rows, w]``, split
-    like ``x`` and ``y``): a pair whose ids match, other than a row's positive, is
-    dropped (``_options.id_mask``)."""
-    n, (scale, bias), (block_size, axis_name, ring) = x.shape[0], scalars, where
-    ids = _options.Options(query_ids=(ids or {}).get("qid"), doc_ids=(ids or {}).get("pid"))
-    if ring:
-        block = where.block(max(n, y.shape[0]))  # dense: one tile per travelling block
-        offset = _offset(n, axis_name)
-        mask = _options.id_mask(ids, k, offset, offset)
-        targets = jnp.arange(n) * k
-        tiles = _blockwise.Tiles(kind, block, x, y, targets, scale, bias, mask)
-        return _ring.rows(tiles, axis_name)
-    ys = _gather(y, axis_name)
-    targets = _targets(n, k, axis_name)
-    if axis_name is None:  # jit over a mesh: every array whole
-        whole = lambda v: _layout.reshard_typed(v, P())
-        ids, cols = ids.map_arrays(whole), None
+def _gathered_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tuple):
+    """The dense and blockwise forms: every device's columns gathered (or whole, under
+    ``jit`` over a mesh); the metadata numbers the columns from every device's first."""
+    (x, y), (options, count), axis_name = sides, options, where.axis_name
+    n = _tiles.count(x)
+    if axis_name is None:  # one device, or jit over a mesh: every array whole
+        options = options.map_arrays(lambda v: _layout.reshard_typed(v, P()))
+        offset, cols = 0, options
+        whole_x = where.block_size is not None or len(spec.families) > 1
+        x, y = _scoring(x, y, whole_x)
+        sides = Sides(x=x, y=y)
     else:
-        cols = ids.map_arrays(lambda v: _gather(v, axis_name))
-    mask = _options.id_mask(ids, k, _offset(n, axis_name), 0, cols)
-    x, ys = _layout.gathered_scoring(x, ys, whole_x=block_size is not None)
-    if block_size is not None:
-        return _blockwise.call(
-            _blockwise.Tiles(kind, block_size, x, ys, targets, scale, bias, mask)
-        )
-    logits = _logits(x, ys, scale, bias)
-    positive = jnp.arange(ys.shape[0]) == targets[:, None]
-    keep = None if mask is None else _dense_keep(mask, n, ys.shape[0])
-    if kind is _strategies.Softmax:
-        # Not optax's integer-label cross-entropy: its per-row gather transposes to a
-        # scatter whose sharding JAX 0.12 cannot infer under explicit mesh axes.
-        pos = jnp.sum(jnp.where(positive, logits, 0), axis=1)
-        logits = logits if keep is None else jnp.where(keep, logits, -jnp.inf)
-        return jax.nn.logsumexp(logits, axis=1) - pos
-    labels = jnp.where(positive, 1.0, -1.0).astype(logits.dtype)
-    terms = -jax.nn.log_sigmoid(labels * logits)
-    return jnp.sum(terms if keep is None else jnp.where(keep, terms, 0), axis=1)
+        gather = lambda v: jax.tree.map(lambda a: _distributed.all_gather(a, axis_name), v)
+        offset, cols = _distributed.axis_index_offset(n, axis_name), options.map_arrays(gather)
+        sides = _gathered(spec, x, y, gather)
+    meta = _metadata(spec, options, (offset, 0), cols)
+    meta = meta._replace(targets=_options.targets(spec, offset, n))
+    if options.bank is not None:  # every device's bank (gathered or whole): from row 0
+        ids = (options.query_ids is not None, options.doc_ids is not None)
+        sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
+    if where.block_size is not None:
+        plan = _plan.Plan(spec, where.block_size)
+        return _plan.call(plan, _families.Inputs(sides, scalars[0], meta, scalars[1]))
+    return _families.dense(spec, sides, _dense_scalars(spec, sides, scalars), meta)
 
 
-def _offset(rows: int, axis_name: AxisName | None) -> Any:
-    """The global index of this device's first row (0 without ``axis_name``)."""
-    return 0 if axis_name is None else _distributed.axis_index_offset(rows, axis_name)
+def _gathered(spec, x: Any, y: Any, gather) -> Sides:
+    """The gather form's sides: this device's rows ``x``, every device's columns (``cx``
+    where a family scores against queries), and the documents: every device's as
+    ``y``, or this device's as ``y`` and every device's as ``cy`` where a family's
+    rows are among them (the positives)."""
+    cx = gather(x) if any(f.cols == "x" for f in spec.families) else None
+    if any(f.rows == "p" for f in spec.families):
+        return Sides(x=x, y=y, cx=cx, cy=gather(y))
+    return Sides(x=x, y=gather(y), cx=cx)
 
 
-def _dense_keep(mask: tuple, n: int, m: int) -> jax.Array:
-    """The dense form's ``[n, m]`` pairs kept by ``mask``, views copied out whole."""
-    rule, rows_meta, cols_meta = mask
-    rows_meta, cols_meta = _tiles.dense(rows_meta), _tiles.dense(cols_meta)
-    return rule.keep(rows_meta, cols_meta, jnp.arange(n), jnp.arange(m))
+def _ring_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tuple):
+    """The ring form: this device's sides and metadata, the columns' travelling with
+    their blocks; the targets index this device's own block."""
+    (x, y), (options, count), axis_name = sides, options, where.axis_name
+    n = _tiles.count(x)
+    offset = _distributed.axis_index_offset(n, axis_name)
+    meta = _metadata(spec, options, (offset, offset))
+    sides = Sides(x=x, y=y)
+    if options.bank is not None:  # this device's bank: its blocks travel like y's
+        ids = (options.query_ids is not None, options.doc_ids is not None)
+        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
+    meta = meta._replace(targets=_options.targets(spec, 0, n))  # into its own block
+    plan = _plan.Plan(spec, where.block(max(n, _tiles.count(y))), axis_name)
+    return _plan.call(plan, _families.Inputs(sides, scalars[0], meta, scalars[1]))
+
+
+def _metadata(spec, options, offsets: tuple, cols=None) -> Metadata:
+    """What the families' rules read (``_options.metadata``; nothing without a rule)."""
+    if all(f.rule is None for f in spec.families):
+        return Metadata(Sides(), Sides())
+    return _options.metadata(options, spec, *offsets, cols)
+
+
+def _scoring(x: Any, ys: Any, whole_x: bool) -> tuple:
+    """``_layout.gathered_scoring`` of every leaf of the rows and of the columns."""
+    leaves = zip(jax.tree.leaves(x), jax.tree.leaves(ys), strict=True)
+    pairs = [_layout.gathered_scoring(a, b, whole_x) for a, b in leaves]
+    back = lambda v, leaves: jax.tree.unflatten(jax.tree.structure(v), leaves)
+    return back(x, [a for a, _ in pairs]), back(ys, [b for _, b in pairs])
+
+
+def _dense_scalars(spec, sides: Sides, scalars: tuple) -> tuple:
+    """``(scale, bias)`` in the accumulation dtype of the rows and the scalars."""
+    scale, bias = scalars
+    leaves = [spec.score.leaf(v) for v in (sides.x, sides.y)]
+    acc = _blockwise.accumulation_dtype(*leaves, *(v for v in scalars if v is not None))
+    return jnp.asarray(scale, acc), None if bias is None else jnp.asarray(bias, acc)
 
 
 def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:

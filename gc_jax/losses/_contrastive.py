@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
 from gc_jax.losses import _bank, _common, _docs, _options
 from gc_jax.losses._bank import Bank
-from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import families as _families
-from gc_jax.losses._engine import ring_families as _ring_families
-from gc_jax.losses._engine.masks import Sides, Targets
 
 
 @_docs.shared_docs
@@ -251,7 +245,7 @@ def with_options(
         if count:  # the bank's count travels as a scalar
             opts = opts._replace(bank=opts.bank._replace(count=count[0]))
         scale, where = scale_of(temperature), _common.Where(block_size, axis_name, ring)
-        per_row = _rows(spec, opts, x, y, scale, where)
+        per_row = _common.rows(spec, x, y, (scale, None), where, opts)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
@@ -264,54 +258,3 @@ def with_options(
         sides += _bank.columns(options.bank)
         scalars += (jax.lax.stop_gradient(count),)
     return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
-
-
-def _rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
-    """Per-query losses with ``options`` (its bank's count set), in the dense, blockwise
-    or ring form."""
-    n, (block_size, axis_name, ring) = len(x), where
-    if ring:
-        return _ring_rows(spec, options, x, y, scale, where)
-    count = None if options.bank is None else options.bank.count
-    if options.bank is not None:  # the count: a scalar, not one of the bank's rows
-        options = options._replace(bank=options.bank._replace(count=None))
-    acc = _blockwise.accumulation_dtype(x, y, scale)
-    if axis_name is None:  # one device, or jit over a mesh: every array whole
-        whole = lambda v: _layout.reshard_typed(v, P())
-        x, y, options = whole(x), whole(y), options.map_arrays(whole)
-        offset, cols, gathered = 0, options, Sides()
-    else:
-        gather = lambda v: _distributed.all_gather(v, axis_name)
-        offset = _distributed.axis_index_offset(n, axis_name)
-        cols = options.map_arrays(gather)
-        x_cols = any(f.cols == "x" for f in spec.families)
-        gathered = Sides(cx=gather(x) if x_cols else None, cy=gather(y))
-    meta = _options.metadata(options, spec, offset, 0, cols)
-    meta = meta._replace(targets=_options.targets(spec, offset, n))
-    sides = gathered._replace(x=x, y=y)
-    if options.bank is not None:  # every device's bank (gathered or whole): from row 0
-        ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
-    if block_size is not None:
-        return _families.blockwise(spec, block_size, sides, scale, meta)
-    return _families.dense(spec, sides, jnp.asarray(scale, acc), meta)
-
-
-def _ring_rows(spec, options, x, y, scale, where: _common.Where) -> jax.Array:
-    """Per-query losses on the ring: this device's sides and metadata, the columns'
-    travelling with their blocks; the targets index this device's own block."""
-    n, axis_name = len(x), where.axis_name
-    count = None if options.bank is None else options.bank.count
-    offset = _distributed.axis_index_offset(n, axis_name)
-    meta = _options.metadata(options, spec, offset, offset)
-    sides = Sides(x=x, y=y)
-    if options.bank is not None:  # this device's bank: its blocks travel like y's
-        ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
-    local = jnp.arange(n)  # into this device's own block
-    used = {f.target for f in spec.families}
-    targets = Targets(first=local * spec.k if "first" in used else None,
-                      self=local if "self" in used else None)  # fmt: skip
-    meta = meta._replace(targets=targets)
-    plan = _ring_families.RingPlan(spec, where.block(max(n, len(y))), axis_name)
-    return _ring_families.call(plan, _families.Inputs(sides, scale, meta))

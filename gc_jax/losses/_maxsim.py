@@ -7,11 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
 from gc_jax.losses import _common, _docs, _options
-from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import ring as _ring
 from gc_jax.losses._engine.scores import MaxSim, Side
 from gc_jax.losses._engine.strategies import Softmax
 
@@ -104,35 +101,14 @@ def maxsim_loss(
     def local(x, y, temperature, *, axis_name, ring):
         acc = jnp.promote_types(jnp.result_type(x.tokens, y.tokens, temperature), jnp.float32)
         scale = jnp.asarray(1.0 / temperature, acc)
-        per_row = _rows(x, y, k, scale, _common.Where(block_size, axis_name, ring))
+        spec = _options.one_spec(Softmax, _options.Options(), k, MaxSim)
+        where = _common.Where(block_size, axis_name, ring)
+        per_row = _common.rows(spec, x, y, (scale, None), where)
         rows = len(x.tokens) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     return _common.run(local, x, y, (temperature,), sides=tuple(y), **kw)
-
-
-def _rows(x: Side, y: Side, k: int, scale, where: _common.Where) -> jax.Array:
-    """Per-row losses of this device's queries against every device's documents."""
-    n, (block_size, axis_name, ring) = len(x.tokens), where
-    if ring:
-        block = where.block(max(n, len(y.tokens)))  # dense: one tile per travelling block
-        targets = jnp.arange(n) * k
-        tiles = _blockwise.Tiles(Softmax, block, x, y, targets, scale, 0.0, score=MaxSim)
-        return _ring.rows(tiles, axis_name)
-    if axis_name is not None:
-        y = Side(*(_distributed.all_gather(v, axis_name) for v in y))
-    offset = 0 if axis_name is None else _distributed.axis_index_offset(n, axis_name)
-    targets = (offset + jnp.arange(n)) * k
-    whole = block_size is not None
-    (qt, dt), (qm, dm) = (_layout.gathered_scoring(a, b, whole) for a, b in zip(x, y, strict=True))
-    x, y = Side(qt, qm), Side(dt, dm)
-    if block_size is not None:
-        tiles = _blockwise.Tiles(Softmax, block_size, x, y, targets, scale, 0.0, score=MaxSim)
-        return _blockwise.call(tiles)
-    logits = scale * MaxSim.raw(x, y, scale.dtype)[0]
-    positive = jnp.arange(len(y.tokens)) == targets[:, None]
-    return jax.nn.logsumexp(logits, axis=1) - jnp.sum(jnp.where(positive, logits, 0), axis=1)
 
 
 def _check_tokens(q: Any, d: Any) -> int:

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _narrow
-from gc_jax.losses._engine.families import Family, Spec
-from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.families import Family, Spec, one
+from gc_jax.losses._engine.masks import Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.strategies import Strategy
 from gc_jax.losses._engine.tiles import Firsts, Repeated
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -275,17 +277,12 @@ def metadata(
     return Metadata(cols=Sides(x=used("x", col_x), y=used("y", col_y)), rows=rows)
 
 
-def id_mask(options: Options, k: int, offset: Any, col_offset: Any, cols=None) -> Mask | None:
-    """The pairs the ids of ``options`` keep, queries ``x`` against documents ``y``
-    (``query_to_doc``'s rule and :func:`metadata`), or None without ids.
-
-    For the losses of one family of logits (``sigmoid_loss``); arguments as for
-    :func:`metadata`."""
-    if options.query_ids is None and options.doc_ids is None:
-        return None
-    rule = Rule(protect="first", docs=True, k=k)
-    meta = metadata(options, Spec((Family("x", "y", rule),), 1, k), offset, col_offset, cols)
-    return Mask(rule, meta.rows.x, meta.cols.y)
+def one_spec(kind: Strategy, options: Options, k: int = 1, score: Score = Dot) -> Spec:
+    """The spec of the losses of one family of logits (``sigmoid_loss``, ``maxsim_loss``):
+    queries against documents, the pairs the ids of ``options`` match dropped as
+    ``query_to_doc``'s are (none without ids)."""
+    ids = options.query_ids is not None or options.doc_ids is not None
+    return one(kind, score, Rule(protect="first", docs=True, k=k) if ids else None, k)
 
 
 def targets(spec: Spec, offset: Any, n: int) -> Targets:

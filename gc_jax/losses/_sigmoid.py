@@ -88,7 +88,10 @@ def sigmoid_loss(
     def local(x, y, logit_scale, logit_bias, *, axis_name, ring, extras=None):
         where = _common.Where(block_size, axis_name, ring)
         scalars = (jnp.exp(logit_scale), logit_bias)
-        per_row = _common.rows(_strategies.Sigmoid, x, y, scalars, where, extras)
+        options = _options.Options(query_ids=(extras or {}).get("qid"),
+                                   doc_ids=(extras or {}).get("pid"))  # fmt: skip
+        spec = _options.one_spec(_strategies.Sigmoid, options)
+        per_row = _common.rows(spec, x, y, scalars, where, options)
         num_rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, num_rows, reduction, axis_name)
 

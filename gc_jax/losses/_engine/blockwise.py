@@ -21,8 +21,9 @@ and over key blocks for ``dys``, so that no batch-sized gradient is carried acro
 blocks. The second sweep writes ``dys`` over ``ys`` (each block is read just before it
 is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering
 ``ys`` across devices happens outside, so its transpose (a reduce-scatter) is left
-to JAX; the ring form (``_ring``) instead runs :func:`sweep` and the backward
-once per block of ``ys`` that reaches the device.
+to JAX; the ring form instead runs :func:`sweep` and the backward once per
+block of ``ys`` that reaches the device. The engine (``_plan``) builds the tiles of
+each family of a loss.
 
 *Precision*: tiles, per-row statistics and per-block gradients are computed in the
 *accumulation dtype*, the inputs' dtype widened to at least float32 (the scalars'
@@ -38,10 +39,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax.losses._engine import strategies as _strategies
 from gc_jax.losses._engine import sweeps as _sweeps
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine import vjp as _vjp
 from gc_jax.losses._engine.masks import Mask
 from gc_jax.losses._engine.order import zero_after
 from gc_jax.losses._engine.scores import Dot, Score
@@ -91,7 +90,7 @@ def sweep(tiles: Tiles, carry: Rows) -> Rows:
 
     A loop over query blocks, an inner one over ``ys``'s blocks. The rows a last,
     overlapping query block shares with the block before keep the values that block
-    gave them (they would otherwise count ``ys`` twice). ``_ring`` calls this
+    gave them (they would otherwise count ``ys`` twice). The ring calls this
     once per block of ``ys`` that reaches the device.
     """
     kind, block, x, ys, targets, scale, bias, mask, score = tiles
@@ -134,56 +133,6 @@ def _pairs(rule, rm, cols_meta, rows: tuple, cols: tuple) -> tuple:
 def init(kind: Strategy, x: Any, *others: Any, dtype: Any) -> Rows:
     """``kind.init`` for the rows of ``x`` (a pytree of them), varying like ``x`` and ``others``."""
     return kind.init(_tiles.row_zeros(x, dtype, *others))
-
-
-class Inputs(NamedTuple):
-    """A one-family loss's inputs (a pytree): rows ``x`` and columns ``ys`` (of the
-    score), each row's target column in ``ys``, the scalars, and ``meta``: the rows'
-    and the columns' ``_masks.Meta`` (a pair), or None."""
-
-    x: Any
-    ys: Any
-    targets: jax.Array | None
-    scale: Scalar
-    bias: Scalar
-    meta: tuple | None
-
-
-class Form(NamedTuple):
-    """What a row-wise loss computes, static (hashable): its strategy, its score, the
-    rows per tile and the rule of the pairs it keeps (``_masks``; None keeps all).
-
-    The engine (``_vjp.Engine``) of one family of logits on one device: one
-    :func:`sweep` forward, :func:`backward`'s two sweeps back.
-    """
-
-    kind: Strategy
-    score: Score = Dot
-    block: int = 0
-    rule: Any = None
-
-    def mask(self, meta: tuple | None) -> Mask | None:
-        """The :class:`Mask` of ``meta = (rows_meta, cols_meta)`` (None without a rule)."""
-        return None if self.rule is None else Mask(self.rule, *meta)
-
-    def tiles(self, inputs: Inputs) -> Tiles:
-        """The tiles of ``inputs``."""
-        x, ys, targets, scale, bias, meta = inputs
-        return Tiles(self.kind, self.block, x, ys, targets, scale, bias, self.mask(meta),
-                     self.score)  # fmt: skip
-
-    def forward(self, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
-        """Per-row losses and statistics: one :func:`sweep` over all of ``ys``."""
-        carry = init(self.kind, inputs.x, inputs.ys, dtype=inputs.scale.dtype)
-        return self.kind.finish(sweep(self.tiles(inputs), carry))
-
-    def backward(self, inputs: Inputs, stat: jax.Array, g: jax.Array) -> Inputs:
-        """The cotangents of ``inputs`` (none for the targets and the metadata)."""
-        dx, dys, dscale, dbias = backward(self.tiles(inputs), stat, g)
-        x, ys, _, _, _, meta = inputs
-        none = jax.tree.map(lambda _: None, meta)
-        dx, dys = cotangent(self.score, x, dx), cotangent(self.score, ys, dys)
-        return Inputs(dx, dys, None, dscale, dbias, none)
 
 
 def backward(tiles: Tiles, stat: jax.Array, g: jax.Array, into: tuple | None = None) -> tuple:
@@ -230,85 +179,3 @@ def cotangent(score: Score, rows: Any, leaf: jax.Array) -> Any:
 def accumulation_dtype(*values: Any) -> jnp.dtype:
     """The dtype losses are computed in: the values' common dtype, at least float32."""
     return jnp.promote_types(jnp.result_type(*values), jnp.float32)
-
-
-def call(tiles: Tiles) -> jax.Array:
-    """The per-row losses of ``tiles`` (one device, or the gathered columns).
-
-    Casts the scalars to the accumulation dtype, varying like the rows, then runs.
-    ``x`` and ``ys`` (rows of ``score``) keep their dtypes: only tiles are computed in
-    the wider dtype.
-    """
-    kind, block, x, ys, targets, scale, bias, mask, score = tiles
-    acc = accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
-    scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
-    scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
-    rule, *meta = mask or (None, None, None)
-    form = Form(kind, score, block, rule)
-    meta = None if rule is None else tuple(meta)
-    return _vjp.rowwise(form, Inputs(x, ys, targets, scale, bias, meta))
-
-
-def softmax_cross_entropy(
-    x: jax.Array,
-    ys: jax.Array,
-    targets: jax.Array,
-    scale: float | jax.Array,
-    block_size: int,
-) -> jax.Array:
-    """Per-row ``-log softmax(scale * x @ ys.T)[i, targets[i]]``, blockwise.
-
-    Args:
-      x: queries, ``[n, d]``.
-      ys: candidates, ``[m, d]``.
-      targets: the index into ``ys`` of each query's positive, ``[n]`` ints.
-      scale: logit multiplier (scalar, differentiable).
-      block_size: rows per tile on either side.
-
-    Returns:
-      The per-query losses, ``[n]``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> x, ys = jnp.eye(3), jnp.eye(3)[::-1]
-      >>> t = jnp.array([2, 1, 0])
-      >>> dense = -jax.nn.log_softmax(2.0 * x @ ys.T)[jnp.arange(3), t]
-      >>> bool(jnp.allclose(softmax_cross_entropy(x, ys, t, 2.0, block_size=2), dense))
-      True
-    """
-    return call(Tiles(_strategies.Softmax, block_size, x, ys, targets, scale, 0.0))
-
-
-def sigmoid_rows(
-    x: jax.Array,
-    ys: jax.Array,
-    targets: jax.Array,
-    scale: float | jax.Array,
-    bias: float | jax.Array,
-    block_size: int,
-) -> jax.Array:
-    """Per-row ``sum_j -log sigmoid(label_ij * (scale * x[i] @ ys[j] + bias))``, blockwise.
-
-    ``label_ij`` is ``+1`` where ``j == targets[i]`` and ``-1`` elsewhere.
-
-    Args:
-      x: ``[n, d]``.
-      ys: ``[m, d]``.
-      targets: the index into ``ys`` of each row's positive, ``[n]`` ints.
-      scale: logit multiplier (scalar, differentiable).
-      bias: added to every logit (scalar, differentiable).
-      block_size: rows per tile on either side.
-
-    Returns:
-      The per-row sums, ``[n]``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> x = jnp.eye(3)
-      >>> labels = 2 * jnp.eye(3) - 1
-      >>> dense = -jax.nn.log_sigmoid(labels * (5.0 * x @ x.T - 1.0)).sum(1)
-      >>> rows = sigmoid_rows(x, x, jnp.arange(3), 5.0, -1.0, block_size=2)
-      >>> bool(jnp.allclose(rows, dense))
-      True
-    """
-    return call(Tiles(_strategies.Sigmoid, block_size, x, ys, targets, scale, bias))

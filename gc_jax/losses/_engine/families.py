@@ -1,18 +1,20 @@
-"""Softmax losses over several families of logits, each query's row summed over all.
+"""What a loss computes: its families of logits (a :class:`Spec`), and its dense form.
 
 A *family* scores one side's rows against one side's columns: queries (``"x"``) or
 each query's positive document (``"p"``, rows ``0, k, 2k, ...`` of ``y``, read in
 place) against queries (``"x"``) or documents (``"y"``), with a :class:`_masks.Rule`
 saying which pairs it keeps. Row ``i`` of every family belongs to query ``i``.
 Families of one *group* share one log-sum-exp; each group has its own target, and a
-query's loss is the mean over groups of ``lse_g - target_g``.
+query's loss is the mean over groups of ``lse_g - target_g``. A :class:`Spec` carries
+the strategy (``Softmax``; ``Sigmoid`` sums one family's pairwise terms instead) and
+the score (``Dot``, or ``MaxSim`` over token vectors); SigLIP, MaxSim and InfoNCE with
+ids alone are specs of one family (:func:`one`), whose logits may also take a bias.
+:func:`dense` is every loss's dense form.
 
-Three forms, the same values: :func:`dense` (whole logit matrices),
-:func:`blockwise` (tiles, a custom VJP; ``_ring`` runs the same families across
-devices). The blockwise backward adds each family's gradients into one buffer per
-side (``_blockwise.backward(into=...)``): the first family writes its buffers over
-copies of its inputs, the others add to them, so no batch-sized gradient is summed
-outside the loops.
+Two forms, the same values: :func:`dense` (whole logit matrices) and ``_plan.Plan``
+(tiles, a custom VJP, on one device or a ring of devices). The helpers here (the
+engine's :class:`Inputs`, the rows and columns of a family, the cotangents of the
+metadata) serve both.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import sweeps as _sweeps
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine import vjp as _vjp
-from gc_jax.losses._engine.masks import Mask, Meta, Metadata, Rule, Sides
-from gc_jax.losses._engine.strategies import Softmax
+from gc_jax.losses._engine.masks import Meta, Metadata, Rule, Sides
+from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.strategies import Sigmoid, Softmax, Strategy
 from gc_jax.losses._engine.tiles import Firsts
 
 Scalar = jax.Array
@@ -40,7 +41,7 @@ class Family(NamedTuple):
       rows: ``"x"`` (queries) or ``"p"`` (each query's positive document).
       cols: ``"x"`` (queries) or ``"y"`` (documents); ``"bx"``, ``"by"``: a bank's
         (``_bank``): constants, so only the rows' gradient sweep runs on them.
-      rule: the pairs kept.
+      rule: the pairs kept, or None: every pair.
       group: the log-sum-exp it adds to.
       target: the name of the targets array in the metadata (the column of each
         row's positive), or None: no target in this family.
@@ -48,31 +49,45 @@ class Family(NamedTuple):
 
     rows: str
     cols: str  # or ``"bx"``/``"by"``: a bank's earlier queries/documents (no gradient)
-    rule: Rule
+    rule: Rule | None
     group: int = 0
     target: str | None = None
 
 
 class Spec(NamedTuple):
-    """The families of a loss (static): ``families[0]`` has rows ``"x"`` and a target."""
+    """The families of a loss (static): ``families[0]`` has rows ``"x"`` and a target.
+
+    Attributes:
+      families: the families of logits.
+      groups: how many log-sum-exps (softmax) a query's loss averages.
+      k: documents per query.
+      kind: the strategy (``_strategies``): :class:`Softmax` (InfoNCE, CLIP, GIST) or
+        ``Sigmoid`` (SigLIP: one family, its sum of pairwise terms).
+      score: how a tile is scored (``_scores``): ``Dot`` or ``MaxSim``.
+    """
 
     families: tuple[Family, ...]
     groups: int
     k: int
+    kind: Strategy = Softmax
+    score: Score = Dot
 
 
-def _rows_of(fam: Family, sides: Sides, k: int) -> Any:
+def one(kind: Strategy, score: Score = Dot, rule: Rule | None = None, k: int = 1) -> Spec:
+    """The spec of one family of logits: queries ``x`` against the documents ``y``, each
+    query's target its document ``i * k`` (``meta.targets.first``), pairs kept by
+    ``rule`` (None: every pair). SigLIP, MaxSim and InfoNCE with ids alone are these."""
+    return Spec((Family("x", "y", rule, 0, "first"),), 1, k, kind, score)
+
+
+def rows_of(fam: Family, sides: Sides, k: int) -> Any:
     return sides.x if fam.rows == "x" else Firsts(sides.y, k)
 
 
-def _cols_key(fam: Family, sides: Sides) -> str:
+def cols_key(fam: Family, sides: Sides) -> str:
     """The side holding the family's columns: the gathered ones if any."""
     gathered = "c" + fam.cols
     return gathered if sides.of(gathered) is not None else fam.cols
-
-
-def _mask(fam: Family, meta: Metadata) -> Mask:
-    return Mask(fam.rule, meta.rows.of(fam.rows), meta.cols.of(fam.cols))
 
 
 def targets_of(fam: Family, meta: Metadata) -> jax.Array | None:
@@ -80,21 +95,18 @@ def targets_of(fam: Family, meta: Metadata) -> jax.Array | None:
     return None if fam.target is None else getattr(meta.targets, fam.target)
 
 
-def dense(spec: Spec, sides: Sides, scale: Scalar, meta: Metadata) -> jax.Array:
-    """Per-query losses from whole logit matrices (the families' pairs masked out)."""
+def dense(spec: Spec, sides: Sides, scalars: tuple, meta: Metadata) -> jax.Array:
+    """Per-query losses from whole logit matrices (the families' pairs masked out).
+
+    ``scalars``: ``(scale, bias)`` in the accumulation dtype (the bias None: none).
+    """
     groups = [[] for _ in range(spec.groups)]
     target = [0.0] * spec.groups
     for fam in spec.families:
-        rows = _tiles.dense(_rows_of(fam, sides, spec.k))
-        cols = sides.of(_cols_key(fam, sides))
-        raw = jnp.matmul(rows, cols.T, preferred_element_type=scale.dtype)
-        rm, cm = _tiles.dense(meta.rows.of(fam.rows)), _tiles.dense(meta.cols.of(fam.cols))
-        at = (rm, cm, jnp.arange(raw.shape[0]), jnp.arange(raw.shape[1]))
-        z, keep, boost = scale * raw, fam.rule.keep(*at), fam.rule.boost(*at)
-        if boost is not None:
-            z = z + jnp.where(boost[0], boost[1] * jax.lax.stop_gradient(raw), 0)
+        z, keep, targets = _dense_logits(spec, fam, sides, scalars, meta)
+        if spec.kind is Sigmoid:  # a sum of pairwise terms, one family
+            return _sigmoid_rows(z, keep, targets)
         groups[fam.group].append(z if keep is None else jnp.where(keep, z, -jnp.inf))
-        targets = targets_of(fam, meta)
         if targets is not None:
             pos = jnp.arange(z.shape[1]) == targets[:, None]
             target[fam.group] = target[fam.group] + jnp.sum(jnp.where(pos, z, 0), axis=1)
@@ -102,67 +114,68 @@ def dense(spec: Spec, sides: Sides, scale: Scalar, meta: Metadata) -> jax.Array:
     return sum(a - b for a, b in zip(lse, target, strict=True)) / spec.groups
 
 
+def _dense_logits(spec: Spec, fam: Family, sides: Sides, scalars: tuple, meta: Metadata):
+    """Family ``fam``'s whole ``[rows, cols]`` logits, the pairs it keeps (None: all) and
+    its targets (None: none)."""
+    (scale, bias), score = scalars, spec.score
+    rows, cols = _tiles.dense(rows_of(fam, sides, spec.k)), sides.of(cols_key(fam, sides))
+    hard = fam.rule is not None and fam.rule.hardness is not None  # boosts read raw scores
+    raw = score.raw(rows, cols, scale.dtype)[0] if hard else None
+    z = scale * raw if hard else _scaled(spec, rows, cols, scale)
+    z = z if bias is None else z + bias
+    if fam.rule is None:
+        return z, None, targets_of(fam, meta)
+    rm, cm = _tiles.dense(meta.rows.of(fam.rows)), _tiles.dense(meta.cols.of(fam.cols))
+    at = (rm, cm, jnp.arange(_tiles.count(rows)), jnp.arange(_tiles.count(cols)))
+    keep, boost = fam.rule.keep(*at), fam.rule.boost(*at)
+    if boost is not None:
+        z = z + jnp.where(boost[0], boost[1] * jax.lax.stop_gradient(raw), 0)
+    return z, keep, targets_of(fam, meta)
+
+
+def _scaled(spec: Spec, rows: Any, cols: Any, scale: Scalar) -> jax.Array:
+    """``scale`` times the whole ``[rows, cols]`` scores, accumulated in ``scale``'s dtype.
+
+    Sigmoid's rows of one vector already in that dtype are scaled before the product,
+    on ``[rows, dim]``, so the compiler need not keep the unscaled product as a second
+    ``[rows, cols]`` buffer (XLA:CPU does; see docs/benchmarks/memory.md, "The dense
+    loss's third B x B buffer"). The softmax forms scale the product: scaled rows would
+    save that buffer there too, but add ops to their programs. Narrow rows are never
+    rounded again by the scale: it multiplies the accumulated product.
+    """
+    if spec.kind is Sigmoid and spec.score is Dot and rows.dtype == scale.dtype:
+        return jnp.matmul(rows * scale, cols.T, preferred_element_type=scale.dtype)
+    return scale * spec.score.raw(rows, cols, scale.dtype)[0]
+
+
+def _sigmoid_rows(z: jax.Array, keep: Any, targets: jax.Array) -> jax.Array:
+    """Per-row sums of the sigmoid's terms ``-log sigmoid(label * z)`` over the kept
+    pairs of whole logits ``z``, ``label`` ``+1`` at each row's target, ``-1`` elsewhere."""
+    positive = jnp.arange(z.shape[1]) == targets[:, None]
+    labels = jnp.where(positive, 1.0, -1.0).astype(z.dtype)
+    terms = -jax.nn.log_sigmoid(labels * z)
+    return jnp.sum(terms if keep is None else jnp.where(keep, terms, 0), axis=1)
+
+
 class Inputs(NamedTuple):
-    """The inputs of a loss of several families (a pytree): its rows and columns by
-    side, the logits' multiplier, and their metadata."""
+    """The inputs of a loss's families (a pytree): its rows and columns by side, the
+    logits' multiplier, their metadata, and the bias added to every logit (None: 0)."""
 
     sides: Sides
     scale: Scalar
     meta: Metadata
+    bias: Scalar | None = None
 
 
-class Plan(NamedTuple):
-    """The engine (``_vjp.Engine``) of ``spec``'s families on one device (or over the
-    gathered columns), in tiles of ``block`` rows (static, hashable)."""
-
-    spec: Spec
-    block: int
-
-    def forward(self, inputs: Inputs) -> tuple[jax.Array, tuple]:
-        return forward(self.spec, self.block, *inputs)
-
-    def backward(self, inputs: Inputs, stats: tuple, g: jax.Array) -> Inputs:
-        grads, dscale, dalpha = backward(self.spec, self.block, inputs, stats, g)
-        return Inputs(grads, dscale, alpha_cotangent(inputs.meta, dalpha))
+def mean(losses: tuple) -> jax.Array:
+    """The mean of the groups' per-row losses (one group: its own, no arithmetic)."""
+    return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
 
 
-def forward(spec, block, sides, scale, meta) -> tuple[jax.Array, tuple]:
-    """Per-query losses and each group's log-sum-exp, tile by tile."""
-    x = sides.x
-    zero = jnp.zeros((), scale.dtype)
-    carries = [_blockwise.init(Softmax, x, sides.y, dtype=scale.dtype)] * spec.groups
-    for fam in spec.families:
-        rows, cols = _rows_of(fam, sides, spec.k), sides.of(_cols_key(fam, sides))
-        tiles = _blockwise.Tiles(Softmax, block, rows, cols, targets_of(fam, meta), scale, zero,
-                                 _mask(fam, meta))  # fmt: skip
-        carries[fam.group] = _blockwise.sweep(tiles, carries[fam.group])
-    losses, stats = zip(*(Softmax.finish(c) for c in carries), strict=True)
-    return sum(losses) / spec.groups, stats
-
-
-def backward(spec, block, inputs, stats, g) -> tuple[Sides, Scalar, Any]:
-    """Cotangents of the sides, the scale and the hardness strength (None without
-    hardness), every family's added into one buffer per side."""
-    sides, scale, meta = inputs
-    zero = jnp.zeros((), scale.dtype)
-    g = g / spec.groups
-    grads = Sides()
-    dscale, dalpha = zero, None
-    for fam in spec.families:
-        rows, cols_key = _rows_of(fam, sides, spec.k), _cols_key(fam, sides)
-        tiles = _blockwise.Tiles(Softmax, block, rows, sides.of(cols_key), targets_of(fam, meta),
-                                 scale, zero, _mask(fam, meta))  # fmt: skip
-        stat = (stats[fam.group], g)
-        if fam.cols.startswith("b"):  # a bank: the rows' sweep alone, no column gradient
-            grads, (ds, _, *da) = _add_rows(fam, (tiles, *stat), grads, sides)
-        elif len(spec.families) == 1:  # written over copies of x and y: no zeros needed
-            dx, dcols, ds, _, *da = _blockwise.backward(tiles, *stat)
-            grads = grads.put("x", dx).put(cols_key, dcols)
-        else:
-            grads, (ds, _, *da) = _add_family(fam, (tiles, *stat), grads, sides, cols_key)
-        dscale = dscale + ds
-        dalpha = add_alpha(dalpha, da)
-    return grads, dscale, dalpha
+def cotangents(score: Any, sides: Sides, grads: Sides) -> Sides:
+    """The cotangent of ``sides`` from the gradients of each side's ``score.leaf``."""
+    pairs = zip(sides, grads, strict=True)
+    return Sides(*(None if d is None else _blockwise.cotangent(score, v, d) for v, d in pairs))
 
 
 def add_alpha(dalpha: Any, more: list) -> Any:
@@ -184,36 +197,7 @@ def alpha_cotangent(meta: dict, dalpha: Any) -> Any:
     return cotangent._replace(rows=cotangent.rows._replace(x=x))
 
 
-def _add_family(fam, args, grads, sides, cols_key):
-    """Adds one family's gradients into ``grads`` (a buffer per side, zeros if new);
-    returns ``grads`` and the scalars' (``_sweeps.Sweeps.query_sweep``)."""
-    for key in ("y" if fam.rows == "p" else "x", cols_key):
-        if grads.of(key) is None:
-            grads = grads.put(key, _zeros_of(sides.of(key), *sides))
-    row_key = "x" if fam.rows == "x" else "y"
-    row_buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), fam.rule.k)
-    same = row_key == cols_key  # rows and columns are rows of one array
-    row_buf, col_buf, *scalars = _blockwise.backward(
-        *args, into=(row_buf, None if same else grads.of(cols_key))
-    )
-    grads = grads.put(row_key, row_buf.array if isinstance(row_buf, Firsts) else row_buf)
-    if not same:
-        grads = grads.put(cols_key, col_buf)
-    return grads, scalars
-
-
-def _add_rows(fam, args, grads, sides):
-    """Adds one family's rows' gradients into ``grads``: its columns are constants."""
-    row_key = "x" if fam.rows == "x" else "y"
-    if grads.of(row_key) is None:
-        grads = grads.put(row_key, _zeros_of(sides.of(row_key), *sides))
-    buf = grads.of(row_key) if fam.rows == "x" else Firsts(grads.of(row_key), fam.rule.k)
-    buf, *scalars = _sweeps.Sweeps(*args).query_sweep(buf, add=True)
-    grads = grads.put(row_key, buf.array if isinstance(buf, Firsts) else buf)
-    return grads, scalars
-
-
-def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
+def zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     """Zeros like ``v``, broadcast from a zero computed from ``v`` itself.
 
     A constant zero would be one broadcast, shared by every side's buffer of that
@@ -221,21 +205,6 @@ def _zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     """
     zero = jnp.where(v[0, 0] > jnp.inf, 1, 0).astype(v.dtype)  # never true, NaN included
     return _tiles.varying_like(jnp.full_like(v, zero), *others)
-
-
-def blockwise(spec: Spec, block: int, sides: Sides, scale: Any, meta: Metadata) -> jax.Array:
-    """Per-query losses, tile by tile (a custom VJP).
-
-    ``sides``: ``x`` (this device's queries), ``y`` (their documents) and, in the
-    gather form, ``cx``/``cy``: the columns gathered from every device (else None:
-    the columns are ``x`` and ``y`` themselves).
-    """
-    arrays = [v for v in sides if v is not None]
-    acc = _blockwise.accumulation_dtype(*arrays, scale)
-    scale = _tiles.varying_like(jnp.asarray(scale, acc), *arrays)
-    if meta.rows.x.alpha is not None:  # differentiated like scale: varying like the rows
-        meta = vary_alpha(meta, *arrays)
-    return _vjp.rowwise(Plan(spec, block), Inputs(sides, scale, meta))
 
 
 def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:

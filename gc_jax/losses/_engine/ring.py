@@ -1,8 +1,8 @@
-"""The ring across devices: the one schedule every ring loss runs, and the row-wise losses.
+"""The ring across devices: the one schedule every ring loss runs.
 
 :func:`around` (forward) and :func:`around_back` (backward) are the schedule;
-``_ring_families`` runs it too, with its own visit. :func:`rows` serves every score
-(``_scores``): the dot product's blocks travel as arrays, MaxSim's as tokens and masks.
+``_plan`` visits each block with a spec's families. Every score
+(``_scores``) travels: the dot product's blocks as arrays, MaxSim's as tokens and masks.
 
 Nothing batch-sized is gathered.
 
@@ -36,19 +36,12 @@ accumulator backward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from gc_jax._base import AxisName
-from gc_jax.losses._engine import blockwise as _blockwise
-from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine import vjp as _vjp
-from gc_jax.losses._engine.blockwise import Form, Inputs, Tiles
 from gc_jax.losses._engine.order import after
-
-Scalar = jax.Array
 
 
 def shift(v: Any, axis_name: AxisName) -> Any:
@@ -67,13 +60,15 @@ def send(tree: Any, axis_name: AxisName) -> Any:
     return jax.tree.unflatten(treedef, sent)
 
 
-def around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
+def around(visit: Callable, here: Any, state: Any, axis_name: AxisName | None) -> Any:
     """The forward schedule: ``state = visit(block, state, own)`` for every device's block.
 
     Step 0 visits this device's own block (``own`` true: the one holding the targets);
     at every later step the block held is first sent on (double buffering), then
-    visited. The last block is not sent on.
+    visited. The last block is not sent on. ``axis_name`` None: one device, visited once.
     """
+    if axis_name is None:
+        return visit(here, state, True)
     size = jax.lax.axis_size(axis_name)
     if size == 1:
         return visit(here, state, True)
@@ -88,14 +83,17 @@ def around(visit: Callable, here: Any, state: Any, axis_name: AxisName) -> Any:
     return visit(here, state, False)
 
 
-def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName):
+def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: AxisName | None):
     """The backward schedule: ``(acc, state) = visit(block, acc, state, own)`` around the ring.
 
     ``acc`` is the gradient of the block visited: it travels one step behind its block
     and, after the full circle, one last ``ppermute`` brings it home, to the block's
     owner. ``acc`` and ``state`` may be None at step 0 (``visit`` then starts them).
-    Returns ``(this device's block's gradient, state)``.
+    Returns ``(this device's block's gradient, state)``. ``axis_name`` None: one device,
+    its block visited once (``acc`` stays here).
     """
+    if axis_name is None:
+        return visit(here, acc, state, True)
     size = jax.lax.axis_size(axis_name)
     arriving = send(here, axis_name) if size > 1 else here
     acc, state = visit(here, acc, state, True)
@@ -115,82 +113,3 @@ def around_back(visit: Callable, here: Any, acc: Any, state: Any, axis_name: Axi
     carry = jax.lax.fori_loop(1, size - 1, step, (arriving, acc, state))
     _, acc, state = step(size - 1, carry, send_on=False)
     return shift(acc, axis_name), state
-
-
-class Ring(NamedTuple):
-    """The engine (``_vjp.Engine``) of one family of logits on a ring: ``form``'s
-    tiles of this device's rows against every device's columns, which travel around
-    ``axis_name`` (static, hashable). Its inputs are ``_blockwise.Inputs``, the columns'
-    metadata travelling with their block."""
-
-    form: Form
-    axis_name: AxisName
-
-    def forward(self, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
-        """Per-row losses and statistics of this device's rows against every device's."""
-        form, (x, ys, targets, scale, bias, meta) = self.form, inputs
-        rows_meta, cols_meta = meta or (None, None)
-
-        def visit(here, carry, own):  # another device's block holds no row's target
-            ys, cm = here
-            t, mask = targets if own else None, form.mask((rows_meta, cm))
-            tiles = Tiles(form.kind, form.block, x, ys, t, scale, bias, mask, form.score)
-            return _blockwise.sweep(tiles, carry)
-
-        carry = _blockwise.init(form.kind, x, ys, dtype=scale.dtype)
-        return form.kind.finish(around(visit, (ys, cols_meta), carry, self.axis_name))
-
-    def backward(self, inputs: Inputs, stat: jax.Array, g: jax.Array) -> Inputs:
-        """Cotangents of ``inputs``; ``dys`` comes home after the full circle.
-
-        The block of ``ys`` travels whole (for MaxSim: tokens and mask) with its
-        columns' metadata; its gradient is that of ``form.score.leaf``."""
-        form, (x, ys, targets, scale, bias, meta) = self.form, inputs
-        acc, score = scale.dtype, form.score
-        rows_meta, cols_meta = meta or (None, None)
-
-        def visit(here, behind, grads, own):  # both sweeps add into the buffers they carry
-            ys, cm = here
-            t, mask = targets if own else None, form.mask((rows_meta, cm))
-            dx, dscale, dbias = grads
-            tiles = Tiles(form.kind, form.block, x, ys, t, scale, bias, mask, score)
-            dx, behind, ds, db = _blockwise.backward(tiles, stat, g, into=(dx, behind))
-            return behind, (dx, dscale + ds, dbias + db)
-
-        zero = _tiles.scalar_zero(x, acc, ys)
-        start = _tiles.zeros(score.leaf(ys), acc, x, ys)
-        grads = (_tiles.zeros(score.leaf(x), acc, x, ys), zero, zero)
-        here = (ys, cols_meta)
-        dys, (dx, dscale, dbias) = around_back(visit, here, start, grads, self.axis_name)
-        dx, dscale, dbias = after((dx, dscale, dbias), dys)  # every ppermute before the psum
-        dx = dx.astype(score.leaf(x).dtype)
-        dys = dys.astype(score.leaf(ys).dtype)
-        cotangent, none = _blockwise.cotangent, jax.tree.map(lambda _: None, meta)
-        dx, dys = cotangent(score, x, dx), cotangent(score, ys, dys)
-        return Inputs(dx, dys, None, dscale, dbias, none)
-
-
-def rows(tiles: Tiles, axis_name: AxisName) -> jax.Array:
-    """Per-row losses of this device's rows against the columns of every device on the ring.
-
-    Args:
-      tiles: this device's tiles (``_blockwise.Tiles``): its queries ``x`` (``[n, d]``,
-        or rows of the score), its candidates ``ys`` (``[m, d]``, the same ``m`` on
-        every device), the index into *this device's* ``ys`` of each query's positive,
-        the scalars (differentiable), the rows per tile within a device, and the
-        mask: this device's rows' and columns' metadata (the columns' travel with
-        ``ys``), or None: every pair.
-      axis_name: the ``shard_map``/``pmap`` axis (or tuple of axes) of the ring.
-
-    Returns:
-      The per-query losses, ``[n]``. Differentiates like this device's rows' losses
-      (``ys``'s gradient sums every device's contribution, as an all-gather's would).
-    """
-    kind, block, x, ys, targets, scale, bias, mask, score = tiles
-    acc = _blockwise.accumulation_dtype(score.leaf(x), score.leaf(ys), scale, bias)
-    scalars = (jnp.asarray(scale, acc), jnp.asarray(bias, acc))
-    scale, bias, targets = _tiles.varying_like((*scalars, targets), x, ys)
-    rule, *meta = mask or (None, None, None)
-    ring = Ring(_blockwise.Form(kind, score, block, rule), axis_name)
-    meta = None if rule is None else tuple(meta)
-    return _vjp.rowwise(ring, Inputs(x, ys, targets, scale, bias, meta))

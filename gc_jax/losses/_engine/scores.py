@@ -1,6 +1,6 @@
 """Scores: what one tile of a blockwise loss computes, and how its gradient flows back.
 
-The tile loops (``_blockwise.sweep``, ``_sweeps.Sweeps``) and the ring (``_ring``) are
+The tile loops (``_blockwise.sweep``, ``_sweeps.Sweeps``) and the ring (``_plan``) are
 written once; a score says how a block of query rows meets a block of key rows. It
 fills the five static methods of :class:`Score`: :class:`Dot` (one vector per row,
 ``x @ y.T``) and :class:`MaxSim` (ColBERT's late interaction over token vectors).

@@ -4,7 +4,7 @@ The sweep over query blocks forms each block's gradient (and the scalars') from 
 key block; the sweep over key blocks forms each key block's gradient from every query
 block, so no batch-sized gradient is carried across blocks. Each either writes its
 gradients (over copies of the inputs: ``_blockwise.backward``) or adds them into
-buffers that several losses share (``_families``, ``_ring_families``).
+buffers that several families share (``_plan``).
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ row, e.g. each row's log-sum-exp), and the inputs' cotangents from that statisti
 (``backward``, which recomputes every tile). The forward saves the inputs and the
 statistic only: nothing per tile, nothing ``rows x rows``.
 
-The engines: ``_blockwise.Form`` (one family of logits on one device, or the gathered
-columns), ``_ring.Ring`` (one family on a ring of devices), ``_families.Plan`` and
-``_ring_families.RingPlan`` (several families, e.g. GTE's directions, a guide, a
-bank).
+The engine is ``_plan.Plan``: a ``_families.Spec`` (one family of logits or several,
+e.g. GTE's directions, a guide, a bank; its strategy and its score) on one device, over
+the gathered columns, or on a ring of devices.
 """
 
 from __future__ import annotations
