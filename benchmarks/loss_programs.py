@@ -16,7 +16,10 @@ process-CPU time of a step (CPU time is the steadier figure on a shared machine;
 alternate before/after processes to compare). ``--step-rows R`` instead compiles only
 the whole cached steps, at ``R`` pairs (an MLP encoder, chunks of 4,096, blocks of
 1,024), on XLA:CPU and, with ``--tpu v5e:1x1``, for a TPU chip (libtpu's compile-only
-devices: nothing runs).
+devices: nothing runs). ``--options`` instead fingerprints ``contrastive_loss``'s options
+(GTE's directions, ids, a guide, hardness, a bank, per-direction partitions) and the
+other losses with and without ids in every form (dense, blockwise; gather, ring and
+one tile per ring block on 8 devices): 80 programs.
 
 Usage (from the repository root)::
 
@@ -24,6 +27,7 @@ Usage (from the repository root)::
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m benchmarks.loss_programs --time 5 --json /tmp/after.json
     python -m benchmarks.loss_programs --step-rows 65536 --tpu v5e:1x1
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.loss_programs --options
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
+from benchmarks import loss_option_grid as option_grid
 from gc_jax import losses
 
 DEVICES = 8
@@ -52,8 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", default=None, help="forms to run (default: all)")
     p.add_argument("--step-rows", type=int, default=0, help="whole steps only, at this size")
     p.add_argument("--tpu", default=None, help="with --step-rows: also this TPU topology")
+    p.add_argument("--options", action="store_true", help="the options x forms grid instead")
     p.add_argument("--json", type=Path, default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.options and args.step_rows:
+        p.error("--options fingerprints the loss forms; --step-rows compiles whole steps")
+    return args
 
 
 def fingerprint(compiled) -> tuple[str, int]:
@@ -181,17 +190,17 @@ def _steps(key) -> dict:
     return out
 
 
-def measure(step, a, b, runs: int) -> dict:
-    compiled = jax.jit(step).lower(a, b).compile()
+def measure(step, args: tuple, runs: int) -> dict:
+    compiled = jax.jit(step).lower(*args).compile()
     digest, length = fingerprint(compiled)
     row = {"sha1": digest, "hlo_chars": length}
     row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
     if runs:
-        jax.block_until_ready(compiled(a, b))
+        jax.block_until_ready(compiled(*args))
         wall, cpu = [], []
         for _ in range(runs):
             t, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(compiled(a, b))
+            jax.block_until_ready(compiled(*args))
             wall.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
         row["wall_s"], row["cpu_s"] = float(np.median(wall)), float(np.median(cpu))
@@ -207,10 +216,11 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps({"jax": jax.__version__, "steps": rows}, indent=1))
         return 0
-    for name, (step, a, b) in forms().items():
+    grid = option_grid.forms() if args.options else forms()
+    for name, (step, *inputs) in grid.items():
         if args.only and name not in args.only:
             continue
-        rows[name] = measure(step, a, b, args.time)
+        rows[name] = measure(step, tuple(inputs), args.time)
         print(f"{name:24s} {json.dumps(rows[name])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"jax": jax.__version__, "forms": rows}, indent=1))
