@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from benchmarks import common, gpu_step, tpu_compile
@@ -93,6 +94,21 @@ def test_modes_refuse_the_options_they_would_ignore(capsys):
         assert message in capsys.readouterr().err, argv
 
 
+@pytest.mark.slow  # compiles a loss program (2 s)
+def test_loss_programs_options_grid_fingerprints_each_form(capsys):
+    """``benchmarks.loss_programs --options``: the grid names every loss, option set and
+    form once, and a form's line carries its fingerprint, HLO length and temp bytes."""
+    from benchmarks import loss_option_grid, loss_programs
+
+    names = list(loss_option_grid.forms())
+    expected = 80 if jax.device_count() >= loss_option_grid.DEVICES else 32
+    assert len(names) == len(set(names)) == expected, len(names)
+    loss_programs.main(["--options", "--only", "sigmoid_ids_block"])
+    (line,) = [r for r in capsys.readouterr().out.splitlines() if r.startswith("sigmoid_")]
+    row = json.loads(line.split(None, 1)[1])
+    assert set(row) == {"sha1", "hlo_chars", "temp_bytes"} and row["temp_bytes"] > 0
+
+
 @pytest.mark.slow  # runs a benchmark's model
 def test_memory_floor_prints_its_table(capsys):
     """``benchmarks.memory --floor`` at tiny sizes: a row per depth and chunk, a column
@@ -117,6 +133,7 @@ INDEX = ROOT / "benchmarks" / "README.md"
 SHARED = {
     "__init__.py",
     "common.py",
+    "loss_option_grid.py",
     "bert.py",
     "torch_bert.py",
     "example_modules.py",
