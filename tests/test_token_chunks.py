@@ -275,8 +275,12 @@ def test_a_float_leaf_as_wide_as_the_padded_length_warns():
     q = {**text_batch(12, "uniform", 23), "dense": jnp.ones((12, PADDED))}
     enc = lambda p, x, key: encoders(p, x, key) + x["dense"].sum(1, keepdims=True)
     f = gc_jax.cached_value_and_grad(loss_fn, enc, BUDGET)
-    with pytest.warns(UserWarning, match=r"inputs\[0\]\['dense'\] is a float \[rows, 16\]"):
+    with pytest.warns(
+        UserWarning, match=r"inputs\[\d\]\['dense'\] is a float \[rows, 16\]"
+    ) as seen:
         jax.eval_shape(f, params, q, q)
+    named = sorted(str(w.message).split("[")[1][0] for w in seen if "'dense'" in str(w.message))
+    assert named == ["0", "1"], named  # both inputs' leaves, each once
 
 
 def test_shard_map_plans_per_device():
