@@ -41,7 +41,6 @@ import numpy as np
 
 from benchmarks import common
 from gc_jax import TokenPacking, packing
-from gc_jax._chunks.packing import pack_lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,10 +90,10 @@ def document_lengths(data: str, rng, scale: float) -> tuple[np.ndarray, int]:
 def chunk_segments(lengths: np.ndarray, padded: int, lines: int, segments: int) -> list:
     """Each chunk's segment ids, ``int32[lines, padded]``, as ``TokenPacking`` places the
     rows (a chunk's lines past the data repeat the last line)."""
-    ordered = np.sort(lengths, kind="stable")[::-1]
+    placed = TokenPacking(tokens=lines * padded, segments=segments).lines(lengths, padded)
     rows = []
-    for line in pack_lines(lengths, padded, segments):
-        ids = np.concatenate([np.full(ordered[r], k + 1) for k, r in enumerate(line)])
+    for line in placed[padded]:
+        ids = np.concatenate([np.full(lengths[r], k + 1) for k, r in enumerate(line)])
         rows.append(np.pad(ids, (0, padded - len(ids))).astype(np.int32))
     rows += [rows[-1]] * (-len(rows) % lines)
     return [np.stack(rows[i : i + lines]) for i in range(0, len(rows), lines)]

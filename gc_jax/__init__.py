@@ -4,8 +4,8 @@ Exact large-batch gradients for contrastive models with one chunk's activations 
 memory at a time (Gao et al., 2021), as pure, jittable functions.
 """
 
-from gc_jax import cachex
-from gc_jax import functional
+from gc_jax import _deprecated
+from gc_jax import compat
 from gc_jax import losses
 from gc_jax import packing
 from gc_jax import pooling
@@ -18,26 +18,23 @@ from gc_jax._distributed import global_loss
 from gc_jax._equinox import equinox_encoder
 from gc_jax._flax import linen_encoder
 from gc_jax._flax import nnx_encoder
-from gc_jax._grad_cache import GradCache
 from gc_jax._keras import keras_encoder
 from gc_jax._loss_scale import DynamicLossScale
 from gc_jax._chunks.budget import TokenBudget
-from gc_jax._chunks.packing import TokenPacking
+from gc_jax._chunks.lines import TokenPacking
 from gc_jax._train_step import make_train_step
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DynamicLossScale",
-    "GradCache",
     "TokenBudget",
     "TokenPacking",
     "cached_value_and_grad",
-    "cachex",
     "chunked_encoder",
+    "compat",
     "device_memory",
     "equinox_encoder",
-    "functional",
     "global_loss",
     "keras_encoder",
     "largest_chunk_size",
@@ -49,3 +46,11 @@ __all__ = [
     "pooling",
     "testing",
 ]
+
+
+def __getattr__(name: str):
+    # The porting layers' 0.1 paths (gc_jax.GradCache, .cachex, .functional): each warns
+    # once, then is bound here; see gc_jax._deprecated.
+    value = _deprecated.attribute(name)
+    globals()[name] = value
+    return value

@@ -27,8 +27,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax import _plan, _validation
+from gc_jax import _validation
 from gc_jax._base import PyTree
+from gc_jax._chunks import plan as _plan
 
 _GIB = 2**30
 # The HBM the TPU compiler offers one program per device, read from its out-of-memory

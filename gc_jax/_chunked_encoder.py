@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _distributed, _first_order, _passes, _plan, _validation
+from gc_jax import _distributed, _first_order, _passes, _validation
 from gc_jax._base import AxisName, Encoder, EncoderView, PyTree
-from gc_jax._plan import ChunkSize
+from gc_jax._chunks import plan as _plan
+from gc_jax._chunks.plan import ChunkSize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -249,7 +249,7 @@ def check_loss_axes(loss_axes: set, axis_name: AxisName | None, inputs_vary: tup
             f"gradients over {axis_name!r}, so loss and gradients would both be wrong. Pass "
             f"axis_name={axis_name!r} to the loss too (e.g. gc_jax.losses.contrastive_loss(q, "
             f"d, axis_name={axis_name!r})), or gather the representations in your loss "
-            "(gc_jax.functional.gather_inputs, gc_jax.global_loss)."
+            "(gc_jax.compat.functional.gather_inputs, gc_jax.global_loss)."
         )
     if not names and loss_axes:
         axes = sorted(loss_axes, key=str)

@@ -3,7 +3,7 @@
 Four kinds: manual axes inside ``shard_map``/``pmap`` (each device sees its rows), an
 explicit mesh read from the array types under ``jit``, an auto mesh named by
 ``batch_axis`` (with ``jax.set_mesh``), or a single device. :func:`layout_of` decides
-it for a batch (the chunk plan carries it, see ``gc_jax._plan``) and
+it for a batch (the chunk plan carries it, see ``gc_jax._chunks.plan``) and
 :func:`rows_layout` for a loss's rows; the chunking, the passes and the losses ask
 the layout and never re-derive it. The helpers below read and write shardings in
 array types (``jit`` over explicit mesh axes).

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _device_view, _distributed, _keys, _layout, _narrow, _plan, _validation
+from gc_jax import _device_view, _distributed, _keys, _layout, _narrow, _validation
 from gc_jax._base import Encoder, EncoderView, PyTree
+from gc_jax._chunks import plan as _plan
 
 
 class Input(NamedTuple):
@@ -37,7 +38,7 @@ class Input(NamedTuple):
       encode: ``encode(params, chunk, key) -> reps``.
       batch: the batch pytree (leading axis: rows), packed by its plan
         (``Plan.pack``): read only through ``plan.take``.
-      plan: how the batch is cut into chunks (``gc_jax._plan.Plan``).
+      plan: how the batch is cut into chunks (``gc_jax._chunks.plan.Plan``).
       rng: chunk ``c`` is encoded with ``fold_in(rng, c)``; None: no key.
       wrt: one flag per leaf of ``batch``: whether pass 2 returns its gradient.
       policy: a ``jax.checkpoint`` policy for each chunk's re-encoding, or None.
@@ -68,7 +69,7 @@ def wide(dtype: Any) -> Any:
 
 def make_input(encode, batch, chunk_size, rng, *, name, batch_name, axis_name=None,
                batch_axis=None, index=None, wrt=(), policy=None) -> Input:  # fmt: skip
-    """Validates ``batch`` and plans its chunks (``gc_jax._plan.make``: the layout, the
+    """Validates ``batch`` and plans its chunks (``gc_jax._chunks.plan.make``: the layout, the
     plan and the key of input ``index``)."""
     where = {"axis_name": axis_name, "batch_axis": batch_axis}
     batch, plan, key = _plan.make(batch, chunk_size, rng=rng, index=index, name=batch_name, **where)

@@ -30,8 +30,8 @@ from jax.typing import DTypeLike
 
 from gc_jax import _loss_scale, _optimizer_update, _validation
 from gc_jax._base import AxisName, Encoder, EncoderView
+from gc_jax._chunks.plan import ChunkSize
 from gc_jax._loss_scale import DynamicLossScale
-from gc_jax._plan import ChunkSize
 from gc_jax._value_and_grad import cached_value_and_grad
 
 TrainState = flax_train_state.TrainState

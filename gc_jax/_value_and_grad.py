@@ -37,11 +37,11 @@ from gc_jax import (
     _layout,
     _loss_scale,
     _passes,
-    _plan,
     _validation,
 )
 from gc_jax._base import AxisName, Encoder, EncoderView, PyTree
-from gc_jax._plan import ChunkSize
+from gc_jax._chunks import plan as _plan
+from gc_jax._chunks.plan import ChunkSize
 
 # Keywords of the returned function; a loss keyword of the same name could never be passed.
 _OWN_KEYWORDS = ("rng", "loss_scale")

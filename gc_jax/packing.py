@@ -46,7 +46,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from gc_jax._chunks import token_rows
-from gc_jax._chunks.packing import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
+from gc_jax._chunks.lines import POSITION_IDS, SEGMENT_IDS, SEGMENT_STARTS
 from gc_jax._chunks.token_rows import MASK
 
 __all__ = [

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gc_jax import _plan, _validation, packing
+from gc_jax import _validation, packing
 from gc_jax._base import PyTree
-from gc_jax._chunks.packing import SEGMENT_STARTS
-from gc_jax._plan import ChunkSize
+from gc_jax._chunks import plan as _plan
+from gc_jax._chunks.lines import SEGMENT_STARTS
+from gc_jax._chunks.plan import ChunkSize
 
 __all__ = [
     "assert_matches_full_batch",

@@ -1,8 +1,8 @@
 """The public API, name by name and signature by signature, against a checked-in snapshot.
 
-Every public module's ``__all__`` (``gc_jax``, ``gc_jax.losses``, ``gc_jax.packing``,
-``gc_jax.pooling``, ``gc_jax.testing``, ``gc_jax.functional``, ``gc_jax.cachex``), each
-name's kind and call
+Every public module's ``__all__`` (every module of the package whose dotted path has no
+``_``-prefixed part: ``gc_jax``, ``gc_jax.losses``, ``gc_jax.compat.cachex.training`` ...;
+not the deprecated 0.1 paths of ``gc_jax._deprecated.MODULES``), each name's kind and call
 signature (``inspect.signature``), and a public class's public methods and properties,
 one per line in ``tests/fixtures/api_snapshot.txt``. A change to the public API (a name
 added, renamed or removed, an argument added, renamed, reordered or given another
@@ -24,17 +24,25 @@ import re
 import tomllib
 from pathlib import Path
 
+import gc_jax
+from gc_jax import _deprecated
+
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "fixtures" / "api_snapshot.txt"
-MODULES = (
-    "gc_jax",
-    "gc_jax.losses",
-    "gc_jax.packing",
-    "gc_jax.pooling",
-    "gc_jax.testing",
-    "gc_jax.functional",
-    "gc_jax.cachex",
-)
+
+
+def public_modules() -> tuple[str, ...]:
+    """Every public module of gc_jax, from the package's files (none is imported)."""
+    found = set()
+    for path in Path(gc_jax.__file__).parent.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if not any(p.startswith("_") for p in name.split(".")):
+            found.add(name)
+    return tuple(sorted(found - set(_deprecated.MODULES)))
+
+
+MODULES = public_modules()
 UPDATE = "python -m tests.test_api"
 
 
@@ -86,6 +94,12 @@ def snapshot() -> str:
         exported = importlib.import_module(module).__all__
         for name in sorted(exported):
             lines += describe(module, name)
+    for old, new in sorted(_deprecated.MODULES.items()):
+        lines.append(f"{old}: deprecated module, now {new} (removed in {_deprecated.REMOVED_IN})")
+    for old, (module, name) in sorted(_deprecated.ATTRIBUTES.items()):
+        lines.append(
+            f"gc_jax.{old}: deprecated, now {module}.{name} (removed in {_deprecated.REMOVED_IN})"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""gc_jax.cachex (the original grad_cache.cachex API) against the same programs uncached.
+"""gc_jax.compat.cachex (the original grad_cache.cachex API) against the same programs uncached.
 
 Every reference encodes each chunk with its own key and concatenates, all in one
 graph (no caching, no checkpointing), and is differentiated with plain JAX.
@@ -15,8 +15,8 @@ import optax
 import pytest
 from flax.training import train_state
 
-from gc_jax import cachex
-from gc_jax.cachex.training import cache_train_step
+from gc_jax.compat import cachex
+from gc_jax.compat.cachex.training import cache_train_step
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 # Numerics tests skip LLVM's optimizations (not XLA's HLO passes): on CPU, compiling

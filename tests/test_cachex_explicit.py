@@ -1,4 +1,4 @@
-"""gc_jax.cachex under sharded jit: every form its docstring says works.
+"""gc_jax.compat.cachex under sharded jit: every form its docstring says works.
 
 ``jax.make_mesh``'s axes are explicit on current JAX; the batch is placed with
 ``NamedSharding(mesh, P("data"))`` (or within its chunks, ``P(None, "data")``) and the
@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax import cachex
+from gc_jax.compat import cachex
 from gc_jax.losses import contrastive_loss
 
 ROWS, TOL = 64, {"rtol": 2e-5, "atol": 2e-6}

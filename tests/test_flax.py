@@ -262,7 +262,7 @@ def test_nnx_scanned_layers_with_dropout_in_every_form():
         params, q, d, rng=jax.random.key(5)
     )
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-6)
-    gc = gc_jax.GradCache([model, model], 4, loss_fn=lambda a, b: loss(None, a, b))
+    gc = gc_jax.compat.GradCache([model, model], 4, loss_fn=lambda a, b: loss(None, a, b))
     by_class = jax.jit(lambda p, q, d, k: gc(q, d, rng=k, params=p))(
         params, q, d, jax.random.key(5)
     )

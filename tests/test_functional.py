@@ -1,4 +1,4 @@
-"""gc_jax.functional: cached / cat_inputs / gather_inputs against full-batch jax.value_and_grad."""
+"""gc_jax.compat.functional: cached, cat_inputs and gather_inputs against full-batch grads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax.functional import cached, cat_inputs, gather_inputs
+from gc_jax.compat.functional import cached, cat_inputs, gather_inputs
 from gc_jax.losses import contrastive_loss
 
 DIN, DOUT, N_DEV = 5, 4, 8

@@ -72,7 +72,7 @@ def apply_kw(model, params, kw):
 def test_two_models(chunk_sizes):
     mq, md = Tower(0), Tower(1)
     q, d = batch(1), batch(2)
-    loss, (gq, gd) = gc_jax.GradCache([mq, md], chunk_sizes, contrastive_loss)(q, d)
+    loss, (gq, gd) = gc_jax.compat.GradCache([mq, md], chunk_sizes, contrastive_loss)(q, d)
     ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q), apply(md, pd, d))
     ref_loss, ref_grads = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
     chex.assert_trees_all_close((loss, (gq, gd)), (ref_loss, ref_grads), **TOL)
@@ -84,12 +84,12 @@ def test_single_model_and_tied_models(chunk_sizes):
     m = Tower(0)
     x, q, d = batch(1), batch(2), batch(3)
     single = lambda r: jnp.mean(jnp.sum(r**2, axis=1))
-    loss, grads = gc_jax.GradCache(m, chunk_sizes, single)(x)
+    loss, grads = gc_jax.compat.GradCache(m, chunk_sizes, single)(x)
     ref_loss, ref_grads = full_value_and_grad(lambda p: single(apply(m, p, x)))(params_of(m))
     chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), **TOL)
 
     # The same object twice: one summed gradient, as the original's hooks give.
-    loss, grads = gc_jax.GradCache([m, m], chunk_sizes, contrastive_loss)(q, d)
+    loss, grads = gc_jax.compat.GradCache([m, m], chunk_sizes, contrastive_loss)(q, d)
     ref = lambda p: contrastive_loss(apply(m, p, q), apply(m, p, d))
     chex.assert_trees_all_close((loss, grads), full_value_and_grad(ref)(params_of(m)), **TOL)
     assert isinstance(grads, nnx.State)
@@ -99,7 +99,7 @@ def test_tied_among_three_inputs():
     a, b = Tower(0), Tower(1)
     x, y, z = batch(1), batch(2), batch(3)
     loss_fn = lambda rx, ry, rz: contrastive_loss(rx, ry) + contrastive_loss(rz, ry)
-    loss, grads = gc_jax.GradCache([a, b, a], 3, loss_fn)(x, y, z)
+    loss, grads = gc_jax.compat.GradCache([a, b, a], 3, loss_fn)(x, y, z)
     ref = lambda pa, pb: loss_fn(apply(a, pa, x), apply(b, pb, y), apply(a, pa, z))
     ref_out = full_value_and_grad(ref, (0, 1))(params_of(a), params_of(b))
     chex.assert_trees_all_close((loss, grads), ref_out, **TOL)
@@ -111,7 +111,9 @@ def test_dict_inputs_get_rep_fn_and_loss_kwargs():
     q = {"features": batch(1), "mask": mask}
     d = {"features": batch(2), "mask": jnp.ones(B)}
     temperature = jnp.float32(0.3)
-    gc = gc_jax.GradCache([mq, md], [3, 5], contrastive_loss, get_rep_fn=lambda o: o["pooled"])
+    gc = gc_jax.compat.GradCache(
+        [mq, md], [3, 5], contrastive_loss, get_rep_fn=lambda o: o["pooled"]
+    )
     loss, grads = gc(q, d, temperature=temperature, reduction="sum")
 
     def ref(pq, pd):
@@ -150,7 +152,7 @@ def test_token_budget_chunk_sizes(per_model):
     mq, md = TextTower(0), TextTower(1)
     q, d = text(1), text(2)
     budget = gc_jax.TokenBudget(tokens=32, buckets=(4, 8, 16))
-    gc = gc_jax.GradCache([mq, md], [3, budget] if per_model else budget, contrastive_loss)
+    gc = gc_jax.compat.GradCache([mq, md], [3, budget] if per_model else budget, contrastive_loss)
     loss, grads = gc(q, d)
 
     def ref(pq, pd):
@@ -159,7 +161,7 @@ def test_token_budget_chunk_sizes(per_model):
     ref_out = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
     chex.assert_trees_all_close((loss, grads), ref_out, **TOL)
     with pytest.raises(ValueError, match=r"chunk_sizes\[0\] is a TokenBudget.*split_input_fn"):
-        gc_jax.GradCache([mq, md], budget, contrastive_loss, split_input_fn=lambda x, n: [x])
+        gc_jax.compat.GradCache([mq, md], budget, contrastive_loss, split_input_fn=lambda x, n: [x])
 
 
 def test_list_inputs_are_positional_and_has_aux():
@@ -173,7 +175,7 @@ def test_list_inputs_are_positional_and_has_aux():
     m = Pair()
     x, scale = batch(1), jnp.linspace(0.5, 1.5, B)
     loss_fn = lambda r: (jnp.sum(r**2), {"norm": jnp.linalg.norm(r)})
-    (loss, aux), grads = gc_jax.GradCache(m, 3, loss_fn, has_aux=True)([x, scale])
+    (loss, aux), grads = gc_jax.compat.GradCache(m, 3, loss_fn, has_aux=True)([x, scale])
     ref = lambda p: loss_fn(nnx.merge(nnx.graphdef(m), p)(x, scale))
     (ref_loss, ref_aux), ref_grads = full_value_and_grad(ref, has_aux=True)(params_of(m))
     chex.assert_trees_all_close((loss, aux, grads), (ref_loss, ref_aux, ref_grads), **TOL)
@@ -189,7 +191,7 @@ def test_split_input_fn_is_honoured():
         x = x[::-1]
         return [x[:1], x[1:4], x[4:]]
 
-    gc = gc_jax.GradCache([mq, md], [2, 3], contrastive_loss, split_input_fn=split)
+    gc = gc_jax.compat.GradCache([mq, md], [2, 3], contrastive_loss, split_input_fn=split)
     out = gc(q, d)
     assert calls == [2, 3]
     ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q[::-1]), apply(md, pd, d[::-1]))
@@ -224,7 +226,7 @@ def test_dropout_is_replayed(chunk_size):
     mq, md = Tower(0, rate=0.5), Tower(1, rate=0.5)
     q, d = batch(1), batch(2)
     rng = jax.random.key(42)
-    gc = gc_jax.GradCache([mq, md], chunk_size, contrastive_loss)
+    gc = gc_jax.compat.GradCache([mq, md], chunk_size, contrastive_loss)
     loss, grads = gc(q, d, rng=rng)
     ref_loss, ref_grads = reference_with_chunk_keys(
         [mq, md], [q, d], chunk_size, rng, contrastive_loss
@@ -236,7 +238,7 @@ def test_dropout_is_replayed(chunk_size):
     with pytest.raises(TypeError, match=r"models\[0\] has dropout in training mode"):
         gc(q, d)
     det = lambda m: nnx.view(m, deterministic=True)
-    eval_loss, _ = gc_jax.GradCache([det(mq), det(md)], chunk_size, contrastive_loss)(q, d)
+    eval_loss, _ = gc_jax.compat.GradCache([det(mq), det(md)], chunk_size, contrastive_loss)(q, d)
     assert len({float(loss), float(other_loss), float(eval_loss)}) == 3
     chex.assert_trees_all_close(eval_loss, contrastive_loss(det(mq)(q), det(md)(d)), **TOL)
 
@@ -266,7 +268,7 @@ def test_optimizer_loop_matches_full_batch_training(tied):
         rd = ms[-1](d)
         return contrastive_loss(ms[0](q), rd, temperature=t) + jnp.mean(rd**2)
 
-    gc = gc_jax.GradCache(models, 3, loss_fn)
+    gc = gc_jax.compat.GradCache(models, 3, loss_fn)
     traced = []
     for step in range(3):
         q, d, t = batch(10 + step), batch(20 + step), jnp.float32(0.5 + step)
@@ -304,12 +306,12 @@ def test_data_parallel(transform, gathered):
     if transform == "sharded_jit":  # plain jit over a sharded batch: no axis_name
         replicated = NamedSharding(mesh, P())
         loss_fn = lambda rq, rd: contrastive_loss(rq, jax.sharding.reshard(rd, replicated))
-    elif gathered:  # a plain loss made global with gc_jax.functional.gather_inputs
-        loss_fn = gc_jax.functional.gather_inputs("d")(contrastive_loss)
+    elif gathered:  # a plain loss made global with gc_jax.compat.functional.gather_inputs
+        loss_fn = gc_jax.compat.functional.gather_inputs("d")(contrastive_loss)
     else:
         loss_fn = lambda rq, rd: contrastive_loss(rq, rd, axis_name="d")
     axis_name = None if transform == "sharded_jit" else "d"
-    gc = gc_jax.GradCache([mq, md], 1, loss_fn, axis_name=axis_name)
+    gc = gc_jax.compat.GradCache([mq, md], 1, loss_fn, axis_name=axis_name)
     body = lambda params, q, d: gc(q, d, params=params)
     if transform == "shard_map":
         step = jax.jit(
@@ -341,20 +343,20 @@ def test_batch_axis_under_auto_mesh_axes_and_cache_dtype():
     q, d = batch(1, 16), batch(2, 16)
     ref = lambda pq, pd: contrastive_loss(apply(mq, pq, q), apply(md, pd, d))
     want = full_value_and_grad(ref, (0, 1))(params_of(mq), params_of(md))
-    gc = gc_jax.GradCache([mq, md], 1, contrastive_loss, batch_axis="d")
+    gc = gc_jax.compat.GradCache([mq, md], 1, contrastive_loss, batch_axis="d")
     with jax.set_mesh(mesh):
         sharded = NamedSharding(mesh, P("d"))
         got = gc(jax.device_put(q, sharded), jax.device_put(d, sharded))
     chex.assert_trees_all_close(got, want, **TOL)
 
-    narrow = gc_jax.GradCache([mq, md], 3, contrastive_loss, cache_dtype=jnp.bfloat16)
+    narrow = gc_jax.compat.GradCache([mq, md], 3, contrastive_loss, cache_dtype=jnp.bfloat16)
     rounded = lambda pq, pd: contrastive_loss(
         apply(mq, pq, q).astype(jnp.bfloat16), apply(md, pd, d).astype(jnp.bfloat16)
     )
     want = full_value_and_grad(rounded, (0, 1))(params_of(mq), params_of(md))
     chex.assert_trees_all_close(narrow(q, d), want, **TOL)
     with pytest.raises(TypeError, match="cache_dtype must be a real floating-point dtype"):
-        gc_jax.GradCache([mq, md], 3, contrastive_loss, cache_dtype=jnp.int32)
+        gc_jax.compat.GradCache([mq, md], 3, contrastive_loss, cache_dtype=jnp.int32)
 
 
 @pytest.mark.parametrize(
@@ -373,18 +375,18 @@ def test_batch_axis_under_auto_mesh_axes_and_cache_dtype():
 def test_constructor_validation(kwargs, error, match):
     args = dict(models=[Tower(0), Tower(1)], chunk_sizes=2, loss_fn=contrastive_loss) | kwargs
     with pytest.raises(error, match=match):
-        gc_jax.GradCache(**args)
+        gc_jax.compat.GradCache(**args)
 
 
 def test_call_validation():
-    gc = gc_jax.GradCache([Tower(0), Tower(1)], 2, contrastive_loss)
+    gc = gc_jax.compat.GradCache([Tower(0), Tower(1)], 2, contrastive_loss)
     with pytest.raises(ValueError, match="got 1 model_inputs for 2 models"):
         gc(batch(1))
     with pytest.raises(TypeError, match=r"loss_kwargs\['weights'\]"):
         gc(batch(1), batch(2), weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="params has 1 entries for 2 distinct models"):
         gc(batch(1), batch(2), params=[gc.params[0]])
-    bad = gc_jax.GradCache([Tower(0)], 2, jnp.sum, split_input_fn=lambda x, n: x)
+    bad = gc_jax.compat.GradCache([Tower(0)], 2, jnp.sum, split_input_fn=lambda x, n: x)
     with pytest.raises(TypeError, match="split_input_fn returned Array"):
         bad(batch(1))
 
@@ -424,7 +426,7 @@ def test_nnx_jit_loop_matches_nnx_value_and_grad(shared):
     optimizer = nnx.Optimizer(models, tx, wrt=nnx.Param)
     ref_optimizer = nnx.Optimizer(ref_models, tx, wrt=nnx.Param)
     loss_fn = lambda q, d: contrastive_loss(q, d) + jnp.mean(d**2)
-    gc = gc_jax.GradCache(list(models), 3, loss_fn)
+    gc = gc_jax.compat.GradCache(list(models), 3, loss_fn)
 
     @nnx.jit
     def step(models, optimizer, q, d):
@@ -466,7 +468,7 @@ def test_nnx_jit_loop_matches_nnx_value_and_grad(shared):
 def test_traced_without_params_raises(wrap):
     """Weights that would be compiled in as constants: an error, never stale weights."""
     model = Tower(0)
-    gc = gc_jax.GradCache([model, Tower(1)], 4, contrastive_loss)
+    gc = gc_jax.compat.GradCache([model, Tower(1)], 4, contrastive_loss)
     with pytest.raises(ValueError, match=r"models\[0\] and models\[1\].*not traced.*params=params"):
         wrap(gc, model)(batch(1), batch(2))
 
@@ -474,7 +476,7 @@ def test_traced_without_params_raises(wrap):
 def test_shared_submodule_gets_summed_gradient():
     a, b = two_towers(shared=True)
     q, d = batch(1), batch(2)
-    gc = gc_jax.GradCache([a, b], 3, contrastive_loss)
+    gc = gc_jax.compat.GradCache([a, b], 3, contrastive_loss)
     loss, grads = gc(q, d)
     ref = nnx.jit(nnx.value_and_grad(lambda ms: contrastive_loss(ms[0](q), ms[1](d))))
     ref_loss, ref_grads = ref((a, b))
@@ -511,4 +513,6 @@ def test_batch_norm_in_training_mode_raises():
     """
     mq, md = NormTower(0), NormTower(1)
     with pytest.raises(ValueError, match=r"models\[0\] updated its nnx.BatchStat.*norm.mean"):
-        gc_jax.GradCache([mq, md], 3, contrastive_loss)(batch(1), batch(2), rng=jax.random.key(0))
+        gc_jax.compat.GradCache([mq, md], 3, contrastive_loss)(
+            batch(1), batch(2), rng=jax.random.key(0)
+        )

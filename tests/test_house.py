@@ -21,13 +21,17 @@
       one concept.
 4. **No model adapter imports another** (Flax, Keras, Equinox): what they share is in
    ``gc_jax._model_calls``.
-5. **One kind test.** Only the plan factory (``gc_jax._plan``) asks whether a chunk
+5. **One kind test.** Only the plan factory (``gc_jax._chunks.plan``) asks whether a chunk
    plan or ``chunk_size`` is of a kind (``isinstance`` on ``ChunkPlan``,
    ``TokenPlan``, ``PackPlan``, ``TokenBudget`` or ``TokenPacking``): everything else
    calls the plan protocol.
 6. **One definition of a constant.** No two modules bind a top-level name to the same
    string (``MASK = "attention_mask"`` lives in ``gc_jax._chunks.token_rows``; the
    others import it).
+7. **One name, one module.** No two modules (or packages) of gc_jax share a name, a
+   leading ``_`` aside (``gc_jax._plan`` beside ``gc_jax.losses._engine.plan`` once
+   meant two things). The 0.1 paths kept as deprecated aliases
+   (``gc_jax._deprecated.MODULES``) are the one exception, until 0.3.0 removes them.
 """
 
 from __future__ import annotations
@@ -111,8 +115,8 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_rules_see_the_package():
     edges = graph()
-    assert {"gc_jax", "gc_jax._plan", "gc_jax.losses", "gc_jax.losses._common"} <= set(edges)
-    assert "gc_jax._layout" in edges["gc_jax._plan"]
+    assert {"gc_jax", "gc_jax._chunks.plan", "gc_jax.losses", "gc_jax.losses._common"} <= set(edges)
+    assert "gc_jax._layout" in edges["gc_jax._chunks.plan"]
     assert "gc_jax.losses._common" in edges["gc_jax.losses._contrastive"]
 
 
@@ -276,9 +280,9 @@ def test_only_the_plan_factory_asks_a_plan_its_kind():
     found = {
         n: lines
         for n, p in modules().items()
-        if n != "gc_jax._plan" and (lines := kind_tests(p.read_text()))
+        if n != "gc_jax._chunks.plan" and (lines := kind_tests(p.read_text()))
     }
-    assert not found, f"isinstance on a plan kind outside gc_jax._plan: {found}"
+    assert not found, f"isinstance on a plan kind outside gc_jax._chunks.plan: {found}"
 
 
 def string_constants(source: str) -> dict[str, str]:
@@ -309,3 +313,31 @@ def test_a_constant_is_defined_once():
             where.setdefault(value, []).append(f"{name}.{constant}")
     twice = {v: w for v, w in where.items() if len(w) > 1}
     assert not twice, f"a string defined in several modules (define it once, import it): {twice}"
+
+
+def shared_names(names: list[str]) -> dict[str, list[str]]:
+    """``{name: modules}`` of the names (last part, a leading ``_`` aside) that more than
+    one of the dotted module names ``names`` has."""
+    by_name = {}
+    for name in names:
+        if "." in name:
+            by_name.setdefault(name.rpartition(".")[2].lstrip("_"), []).append(name)
+    return {n: sorted(m) for n, m in by_name.items() if len(m) > 1}
+
+
+def test_shared_names_are_found():
+    found = shared_names(["gc_jax", "gc_jax._plan", "gc_jax.losses._engine.plan", "gc_jax.x"])
+    assert found == {"plan": ["gc_jax._plan", "gc_jax.losses._engine.plan"]}
+
+
+def test_no_two_modules_share_a_name():
+    from gc_jax import __version__, _deprecated
+
+    aliases = set(_deprecated.MODULES)
+    if aliases:  # 0.3.0 removes them, and this exception with them
+        assert tuple(map(int, __version__.split(".")[:2])) < (0, 3), (
+            f"gc_jax {__version__} still has the deprecated 0.1 paths {sorted(aliases)}: "
+            f"{_deprecated.REMOVED_IN} removes them (their files and gc_jax._deprecated)"
+        )
+    found = shared_names(sorted(set(modules()) - aliases))
+    assert not found, f"modules that share a name (give each concept one name): {found}"

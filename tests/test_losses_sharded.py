@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from test_losses import BLOCK_TOL, CASES, TOL, _data
 
 import gc_jax
-from gc_jax.functional import gather_inputs
+from gc_jax.compat.functional import gather_inputs
 from gc_jax.losses import clip_loss, contrastive_loss, sigmoid_loss
 
 D = 8  # devices

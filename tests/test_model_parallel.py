@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from gc_jax import cachex
+from gc_jax.compat import cachex
 from gc_jax.losses import contrastive_loss
 
 SPECS = {"w1": P(None, "model"), "w2": P("model", None), "log_temp": P()}

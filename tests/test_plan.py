@@ -1,4 +1,4 @@
-"""gc_jax._plan: both kinds of chunk plan keep the protocol the passes rely on.
+"""gc_jax._chunks.plan: both kinds of chunk plan keep the protocol the passes rely on.
 
 Whatever a plan's kind, its loops and its tail visit every row exactly once: writing
 each chunk's rows (``take`` then ``put``) rebuilds the batch, and ``take_cotangent``
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import gc_jax
-from gc_jax import _keys, _plan
+from gc_jax import _keys
+from gc_jax._chunks import plan as _plan
 
 ROWS, PADDED = 37, 16
 

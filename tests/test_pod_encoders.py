@@ -30,8 +30,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from gc_jax import cachex
-from gc_jax.functional import cached
+from gc_jax.compat import cachex
+from gc_jax.compat.functional import cached
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported
 
@@ -125,7 +125,7 @@ def _cachex(encode):
 
 
 def _functional(encode):
-    """``gc_jax.functional.cached`` on sub-batches, as the original's functional API."""
+    """``gc_jax.compat.functional.cached`` on sub-batches, as the original's functional API."""
 
     def step(p, q, d):
         f = cached(encode)
@@ -217,7 +217,7 @@ def test_gradcache_with_an_nnx_embed_model():
     from flax import nnx
 
     model = _nnx_model()
-    gc = gc_jax.GradCache([model, model], CHUNK, loss_fn=lambda a, b: loss_fn(None, a, b))
+    gc = gc_jax.compat.GradCache([model, model], CHUNK, loss_fn=lambda a, b: loss_fn(None, a, b))
     entry = lambda _: jax.jit(lambda p, q, d: gc(q, d, params=p))
     encode = gc_jax.nnx_encoder(model)  # the reference's
     assert_exact_on_explicit_axes(entry, encode, nnx.state(model, nnx.Param))
@@ -542,7 +542,7 @@ def test_an_nnx_fsdp_model_through_gradcache(step, explicit):
         lambda path, v: put(mesh, v, spec(path)), nnx.state(model, nnx.Param)
     )
     q, d = (put(mesh, x, P("data")) for x in ids_pair())
-    gc = gc_jax.GradCache(
+    gc = gc_jax.compat.GradCache(
         [model, model], CHUNK, loss_fn=lambda a, b: loss_fn(None, a, b),
         batch_axis=None if explicit else "data",
     )  # fmt: skip

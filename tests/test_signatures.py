@@ -18,7 +18,7 @@ DOORS = {
     "cached_value_and_grad": gc_jax.cached_value_and_grad,
     "make_train_step": gc_jax.make_train_step,
     "chunked_encoder": gc_jax.chunked_encoder,
-    "GradCache": gc_jax.GradCache.__init__,
+    "GradCache": gc_jax.compat.GradCache.__init__,
 }
 ALIASES = {"chunk_sizes": "chunk_size"}  # GradCache: the original's name
 # Settings every front door that trains over several inputs takes.

@@ -43,8 +43,8 @@ def site(tmp_path_factory) -> Path:
 def public_names() -> list[str]:
     """Every public function and class: ``gc_jax.__all__`` and its public modules'."""
     names = []
-    modules = (gc_jax, gc_jax.losses, gc_jax.packing, gc_jax.functional, gc_jax.testing,
-               gc_jax.cachex)  # fmt: skip
+    modules = (gc_jax, gc_jax.losses, gc_jax.packing, gc_jax.compat.functional, gc_jax.testing,
+               gc_jax.compat.cachex)  # fmt: skip
     for module in modules:
         exported = getattr(module, "__all__", None) or [
             name

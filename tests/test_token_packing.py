@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gc_jax
-from gc_jax import _plan, packing
-from gc_jax._chunks import packing as token_packing
+from gc_jax import packing
+from gc_jax._chunks import lines as token_packing
+from gc_jax._chunks import plan as _plan
 from gc_jax.losses import contrastive_loss
 
 VOCAB, WIDTH, PADDED, LANGS = 11, 8, 16, 3
@@ -535,7 +536,7 @@ def test_grad_cache_class_with_a_packing():
 
     mq, md = Tower(0), Tower(2)
     q, d = text_batch(20, "lognormal", 22), text_batch(20, "short", 23)
-    loss, grads = gc_jax.GradCache([mq, md], PACKING, contrastive_loss)(q, d)
+    loss, grads = gc_jax.compat.GradCache([mq, md], PACKING, contrastive_loss)(q, d)
     state = lambda m: nnx.state(m, nnx.Param)
 
     def full(pq, pd):
@@ -645,3 +646,23 @@ def test_for_lengths_fits_the_chunk_size_with_min_tokens():
     grad_fn = jax.jit(gc_jax.cached_value_and_grad(loss_fn, encoders, lines))
     chex.assert_trees_all_close(grad_fn(params, q, d), full_batch(loss_fn, encoders, params, q, d),
                                 **TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("buckets", [None, (32, 64, 128)])
+def test_the_lines_a_packing_shows_are_the_ones_it_counts(buckets):
+    """``TokenPacking.lines``: every row in one line, a line within its length and its
+    ``segments``, and as many lines as ``chunk_counts`` counts chunks for."""
+    lengths = np.random.default_rng(0).integers(0, 129, 90)
+    packing_ = gc_jax.TokenPacking(tokens=512, segments=4, buckets=buckets)
+    found = packing_.lines(lengths, 128)
+    placed = sorted(r for lines in found.values() for line in lines for r in line)
+    assert placed == list(range(len(lengths)))
+    for width, lines in found.items():
+        for line in lines:
+            assert len(line) <= packing_.segments
+            assert sum(int(lengths[r]) or width for r in line) <= width, (width, line)
+    counts = packing_.chunk_counts(lengths, 128)
+    want = {n: -(-len(found[n]) // (512 // n)) for n in found}
+    assert {n: counts[(512 // n, n)] for n in found} == want
+    with pytest.raises(ValueError, match=r"TokenPacking.lines\(lengths=...\) takes \[rows\]"):
+        packing_.lines(lengths[None], 128)

@@ -34,8 +34,9 @@ from jax.sharding import PartitionSpec as P
 from test_distributed import while_bodies
 
 import gc_jax
-from gc_jax import cachex, packing
+from gc_jax import packing
 from gc_jax._chunk_size import compiled_bytes, device_memory
+from gc_jax.compat import cachex
 
 pytestmark = pytest.mark.slow  # the TPU compiler: out of the fast lane (docs/development.md)
 
@@ -138,7 +139,7 @@ class NNXMLP(nnx.Module):
 
 def grad_cache_class(rows):
     model = nnx.eval_shape(lambda: NNXMLP(nnx.Rngs(0)))
-    gc = gc_jax.GradCache([model, model], CHUNK, lambda q, d: alignment_loss(None, q, d))
+    gc = gc_jax.compat.GradCache([model, model], CHUNK, lambda q, d: alignment_loss(None, q, d))
     params = jax.tree.map(lambda s: on_chip(s.shape, s.dtype), nnx.state(model, nnx.Param))
     x = on_chip((rows, WIDTH))
     return (lambda p, q, d: gc(q, d, params=p)), (params, x, x)

@@ -590,7 +590,9 @@ def test_a_key_passed_positionally_names_rng(key):
     step = gc_jax.make_train_step(loss_fn, linear, 4, optimizer=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"train_step\(state, queries, docs, rng=key\)"):
         step((jnp.eye(4), optax.sgd(0.1).init(jnp.eye(4))), X, X, key)
-    gc = gc_jax.GradCache([nnx.Linear(4, 4, rngs=nnx.Rngs(0))] * 2, 4, loss_fn=lambda q, d: 0.0)
+    gc = gc_jax.compat.GradCache(
+        [nnx.Linear(4, 4, rngs=nnx.Rngs(0))] * 2, 4, loss_fn=lambda q, d: 0.0
+    )
     with pytest.raises(TypeError, match=r"gc\(queries, docs, rng=key\)"):
         gc(X, X, key)
 

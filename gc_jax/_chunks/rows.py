@@ -18,8 +18,8 @@ an ``int32[B, 32]`` batch read chunk by chunk would be copied into a buffer 4x i
 size; viewed as ``[B / 4, 128]`` it is copied unpadded. On row-major backends (CPU,
 GPU) the view is free: the same bytes, read the same way.
 
-:class:`ChunkPlan` is one kind of ``gc_jax._plan.Plan``; the others cut chunks by
-tokens (``gc_jax._chunks.budget.TokenPlan``, ``gc_jax._chunks.packing.PackPlan``).
+:class:`ChunkPlan` is one kind of ``gc_jax._chunks.plan.Plan``; the others cut chunks by
+tokens (``gc_jax._chunks.budget.TokenPlan``, ``gc_jax._chunks.lines.PackPlan``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from gc_jax._base import PyTree
 
 
 class ChunkPlan(NamedTuple):
-    """How one input's batch is cut into chunks of rows (a :class:`gc_jax._plan.Plan`).
+    """How one input's batch is cut into chunks of rows (a :class:`gc_jax._chunks.plan.Plan`).
 
     Attributes:
       batch_size: total rows ``B``.

@@ -1,7 +1,7 @@
 """The rows of a padded token batch, as both token kinds read, check and move them.
 
 A :class:`gc_jax.TokenBudget` (:mod:`gc_jax._chunks.budget`) and a
-:class:`gc_jax.TokenPacking` (:mod:`gc_jax._chunks.packing`) both take each row's length
+:class:`gc_jax.TokenPacking` (:mod:`gc_jax._chunks.lines`) both take each row's length
 from the batch (``lengths=``: the key of its attention mask, or a callable), check the
 same arguments, and gather and write rows by traced index. Every message names the
 class the user wrote (``type(config).__name__``), so a packing's error never speaks of

@@ -30,9 +30,12 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gc_jax import _flax, _plan, _validation, _value_and_grad
+from gc_jax import _flax, _validation, _value_and_grad
 from gc_jax._base import AxisName, EncoderView, PyTree
-from gc_jax._plan import ChunkSize
+from gc_jax._chunks import plan as _plan
+from gc_jax._chunks.plan import ChunkSize
+
+__all__ = ["GradCache"]
 
 
 def _is_array_tree(value: Any) -> bool:
@@ -117,7 +120,7 @@ class GradCache:
         batch's representations, one per model (``(loss, aux)`` with ``has_aux``).
         Under ``axis_name`` it must return the global loss with the gradient of
         this device's share, as ``gc_jax.losses(..., axis_name=...)`` and losses
-        decorated with ``gc_jax.functional.gather_inputs`` do.
+        decorated with ``gc_jax.compat.functional.gather_inputs`` do.
       split_input_fn: optional ``split_input_fn(model_input, chunk_size)`` returning a
         non-empty list of chunk pytrees. Their concatenation along axis 0, in order,
         is the batch (so the hook may select or reorder rows, as in the original;
@@ -147,7 +150,7 @@ class GradCache:
       >>> import jax, jax.numpy as jnp, optax, gc_jax
       >>> from flax import nnx
       >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-      >>> gc = gc_jax.GradCache([model, model], chunk_sizes=2,
+      >>> gc = gc_jax.compat.GradCache([model, model], chunk_sizes=2,
       ...                       loss_fn=gc_jax.losses.contrastive_loss)
       >>> q, d = jnp.ones((6, 4)), jnp.arange(24.0).reshape(6, 4) / 24
       >>> loss, grads = gc(q, d, reduction="sum")

@@ -3,7 +3,7 @@
 Three kinds of plan implement :class:`Plan`: chunks of rows
 (``gc_jax._chunks.rows.ChunkPlan``, from an int ``chunk_size``), chunks cut by a
 token budget (``gc_jax._chunks.budget.TokenPlan``, from a :class:`gc_jax.TokenBudget`)
-and rows packed into lines (``gc_jax._chunks.packing.PackPlan``, from a
+and rows packed into lines (``gc_jax._chunks.lines.PackPlan``, from a
 :class:`gc_jax.TokenPacking`): one module per kind, in ``gc_jax._chunks``. This
 module is the one place that tells the kinds apart: it checks ``chunk_size``
 (:func:`check`), says whether the data decides the number of chunks
@@ -21,9 +21,9 @@ import jax
 
 from gc_jax import _keys, _layout, _validation
 from gc_jax._base import AxisName, Encoder, PyTree
-from gc_jax._chunks import budget, packing, rows
+from gc_jax._chunks import budget, lines, rows
 from gc_jax._chunks.budget import TokenBudget
-from gc_jax._chunks.packing import TokenPacking
+from gc_jax._chunks.lines import TokenPacking
 
 ChunkSize = int | TokenBudget | TokenPacking
 """What ``chunk_size`` takes: rows per chunk, a token budget, or a token packing."""
@@ -155,7 +155,7 @@ def make(
     if not one_device:
         batch, layout = _layout.layout_of(batch, axis_name, batch_axis, name)
     if isinstance(chunk_size, TokenPacking):
-        plan = packing.make_plan(batch, chunk_size, name, layout)
+        plan = lines.make_plan(batch, chunk_size, name, layout)
     elif by_tokens(chunk_size):
         plan = budget.make_plan(batch, chunk_size, name, layout)
     else:

@@ -232,6 +232,32 @@ class TokenPacking:
         ).max(axis=0)
         return {shape: int(-(-k // shape[0])) for shape, k in zip(shapes, lines, strict=True)}
 
+    def lines(self, lengths: Any, padded_length: int) -> dict[int, list[list[int]]]:
+        """``{line length: lines}``: which rows share a line, computed with NumPy.
+
+        Each line lists row indices into ``lengths`` (one device's ``[rows]``, as for
+        :meth:`chunk_counts`) in the order the step places them: the longest row first,
+        then the shortest that fit; rows of equal length in batch order.
+
+        Examples:
+          >>> import gc_jax
+          >>> packing = gc_jax.TokenPacking(tokens=64, segments=3)
+          >>> packing.lines([10, 30, 5, 16, 0, 12], padded_length=32)  # row 4: no tokens
+          {32: [[4], [1], [3, 2, 0], [5]]}
+        """
+        method = f"{type(self).__name__}.lines"
+        if np.ndim(lengths) != 1:
+            raise ValueError(f"{method}(lengths=...) takes [rows], got {np.shape(lengths)}.")
+        array = token_rows.checked_lengths(lengths, padded_length, method, "lengths", "rows")
+        widths = tuple(n for _, n in self.chunk_shapes(padded_length, array.shape[1]))
+        rows = np.where(array[0] > 0, array[0], widths[-1])
+        bucket, out = spans.bucket_of(rows, widths, np), {}
+        for c, n in enumerate(widths):
+            mine = np.flatnonzero(bucket == c)
+            order = mine[np.argsort(-rows[mine], kind="stable")]
+            out[n] = [order[line].tolist() for line in pack_lines(rows[mine], n, self.segments)]
+        return out
+
 
 def lines_by_bucket(lengths: Any, widths: tuple[int, ...], segments: int | None = None):
     """Each line length's lines of one device's rows (NumPy; :func:`pack_lines` of the
@@ -296,7 +322,7 @@ class Lines(NamedTuple):
 
 
 class PackPlan(NamedTuple):
-    """How one batch is packed (a :class:`gc_jax._plan.Plan`; the arrays are traced).
+    """How one batch is packed (a :class:`gc_jax._chunks.plan.Plan`; the arrays are traced).
 
     Each row goes to the shortest line length that holds it (its *bucket*; one with
     ``buckets`` None); each bucket's rows are packed into lines of its length, and its
