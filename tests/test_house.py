@@ -32,6 +32,8 @@
    leading ``_`` aside (``gc_jax._plan`` beside ``gc_jax.losses._engine.plan`` once
    meant two things). The 0.1 paths kept as deprecated aliases
    (``gc_jax._deprecated.MODULES``) are the one exception, until 0.3.0 removes them.
+8. **The benchmarks and examples use the public API**: none imports a ``_``-prefixed
+   module or name of gc_jax, so what they measure is what users can call.
 """
 
 from __future__ import annotations
@@ -341,3 +343,35 @@ def test_no_two_modules_share_a_name():
         )
     found = shared_names(sorted(set(modules()) - aliases))
     assert not found, f"modules that share a name (give each concept one name): {found}"
+
+
+def private_imports(source: str) -> list[str]:
+    """The ``_``-prefixed gc_jax modules and names ``source`` imports, anywhere in it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "gc_jax"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gc_jax"):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [n for n in names if any(p.startswith("_") for p in n.split("."))]
+    return found
+
+
+def test_private_imports_are_found():
+    source = (
+        "import gc_jax\nfrom gc_jax._chunks import lines\ndef f():\n    from gc_jax import _x\n"
+    )
+    assert private_imports(source) == ["gc_jax._chunks.lines", "gc_jax._x"]
+
+
+def test_benchmarks_and_examples_use_the_public_api():
+    root = PACKAGE.parent
+    found = {
+        str(path.relative_to(root)): names
+        for folder in ("benchmarks", "examples")
+        for path in sorted((root / folder).rglob("*.py"))
+        if (names := private_imports(path.read_text()))
+    }
+    assert not found, f"benchmarks or examples importing gc_jax's private names: {found}"
