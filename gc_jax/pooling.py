@@ -44,6 +44,20 @@ def _check(hidden: jax.Array, mask: jax.Array, how: str) -> None:
         )
 
 
+def _check_head(head: jax.Array, width: int) -> None:
+    shape = tuple(getattr(head, "shape", ()))
+    if len(shape) == 2 and shape[0] == width:
+        return
+    hint = ""
+    if len(shape) == 2 and shape[1] == width:
+        hint = f" (this one looks transposed: pass head.T, shape {shape[::-1]})"
+    raise ValueError(
+        f"head must be a (width, dim) projection whose width is hidden's last axis "
+        f"({width}); got head of shape {shape}{hint}: pass a ({width}, dim) array, or "
+        "head=None to keep the pooled width."
+    )
+
+
 def pool(hidden: jax.Array, mask: jax.Array, how: Pooling = "mean") -> jax.Array:
     """One vector per row from its real tokens.
 
@@ -126,5 +140,6 @@ def embed(
     """
     x = pool(hidden, mask, how)
     if head is not None:
+        _check_head(head, hidden.shape[-1])
         x = x @ head
     return l2_normalize(x) if normalize else x
