@@ -108,17 +108,21 @@ def _metrics(loss, aux, grads, finite, has_aux, scale) -> dict[str, Any]:
     return metrics
 
 
-def _warn_if_skipped(finite, loss, grads, dynamic_scale) -> None:
+def _warn_if_skipped(finite, loss, grads, dynamic_scale, checked: bool) -> None:
     """A ``RuntimeWarning`` from the host when the step is skipped, naming what was not
     finite; nothing runs on a finite step (a ``lax.cond``). With a dynamic loss scale an
     overflow is expected and backed off from: it warns once the scale is at its minimum
-    (1), or when the loss itself is not finite (as ``check_finite``)."""
+    (1), or when the loss itself is not finite (as ``check_finite``). ``checked``: the
+    ``check_finite`` check raises for a non-finite loss or gradient, so only a skip it
+    does not raise for (an update not finite) warns."""
     report = ~finite
     if dynamic_scale is not None:
         report = report & ((dynamic_scale <= _loss_scale.MIN_LOSS_SCALE) | ~jnp.isfinite(loss))
     leaves = _loss_scale._grad_leaves(grads)
     names, sizes = [n for n, _ in leaves], [g.size for _, g in leaves]
     counts = [jnp.sum(~jnp.isfinite(g)) for _, g in leaves]
+    if checked:
+        report = report & jnp.isfinite(loss) & (sum(counts) == 0)
 
     def warn(loss, *counts):
         named = list(zip(names, (int(c) for c in counts), sizes, strict=True))
@@ -359,7 +363,8 @@ def make_train_step(
         if skip_nonfinite:
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, trained)
             if warn_skipped:
-                _warn_if_skipped(finite, loss, grads, scale_state.scale if dynamic else None)
+                scale = scale_state.scale if dynamic else None
+                _warn_if_skipped(finite, loss, grads, scale, bool(check_mode))
 
         new_scale = None
         if dynamic:

@@ -413,7 +413,9 @@ def test_traced_bad_loss_scale_is_a_skipped_step():
     opt = optax.sgd(0.1)
     step = jax.jit(gc_jax.make_train_step(loss, encode, 2, optimizer=opt, loss_scale="dynamic"))
     scale = gc_jax.DynamicLossScale(jnp.float32(0.0), jnp.int32(0))
-    (params, _, _), metrics = step((W, opt.init(W), scale), Q, DOC)
+    with pytest.warns(RuntimeWarning, match="make_train_step skipped this step"):
+        (params, _, _), metrics = step((W, opt.init(W), scale), Q, DOC)
+        jax.effects_barrier()
     assert not metrics["is_finite"]
     np.testing.assert_array_equal(params["w"], W["w"])
     with pytest.raises(ValueError, match="loss_scale must be a finite positive number, got 0"):
