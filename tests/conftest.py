@@ -1,4 +1,4 @@
-"""Test-session settings: XLA:CPU compiles the tests' programs with LLVM at -O0, and the
+"""Settings for the test run: XLA:CPU compiles the tests' programs with LLVM at -O0, and the
 tests measured as slow are marked ``slow`` (out of the fast lane).
 
 Most of the suite's time is XLA:CPU compiling small programs. The backend optimisation
