@@ -34,6 +34,7 @@ PAGES = {
         "quick start",
         "run it",
         "a full training step",
+        "a full training step: params and opt_state",
         "bring your own step: a plain optax loop",
         "bring your own step: nnx",
     ],
@@ -171,6 +172,17 @@ def test_quickstart():
     run("quickstart.md", "a full training step", namespace=ns)
     chex.assert_trees_all_close(ns["metrics"]["loss"], want_loss, **TOL)
     chex.assert_trees_all_close(ns["state"].params, want_params, **TOL)
+
+    reference = nnx.Linear(8, 4, rngs=nnx.Rngs(0))  # the next block's model, before its step
+    unit = lambda out: out / jnp.linalg.norm(out, axis=-1, keepdims=True)
+    encode = gc_jax.nnx_encoder(reference, get_rep=unit)
+    weights = nnx.state(reference, nnx.Param)
+    want_value, want_grads_nnx = full_value_and_grad(ns["loss_fn"], encode, weights, queries, docs)
+    run("quickstart.md", "a full training step: params and opt_state", namespace=ns)
+    chex.assert_trees_all_close(ns["metrics"]["loss"], want_value, **TOL)
+    trained = adamw_step(weights, want_grads_nnx)
+    chex.assert_trees_all_close(ns["weights"], trained, **TOL)  # the (params, opt_state) pair
+    chex.assert_trees_all_close(nnx.state(ns["linear"], nnx.Param), trained, **TOL)  # nnx.update
 
     run("quickstart.md", "bring your own step: a plain optax loop", namespace=ns)
     tx = ns["tx"]
