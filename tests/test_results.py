@@ -52,7 +52,10 @@ def citations(text: str) -> list[str]:
     [
         ("see `benchmarks/results/speed.json`.", ["speed.json"]),
         ("`benchmarks/results/a_{x,y}.{txt,json}`", ["a_x.txt", "a_x.json", "a_y.txt", "a_y.json"]),
-        ("--json benchmarks/results/token_budget_DATA_small_BATCH.json", ["token_budget_*_small_*.json"]),
+        (
+            "--json benchmarks/results/token_budget_DATA_small_BATCH.json",
+            ["token_budget_*_small_*.json"],
+        ),
         ("benchmarks/results/token_budget_*_lines*.json,", ["token_budget_*_lines*.json"]),
         ("raw outputs are in `benchmarks/results/`", []),
     ],
