@@ -22,7 +22,11 @@ pytestmark = [
 SCRIPT = """
 import jax
 from jax.experimental import topologies
-print(len(topologies.get_topology_desc("v5e:1x1", "tpu").devices))
+topology = topologies.get_topology_desc(  # as tests/test_tpu.py builds a v5e chip
+    platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
+    chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False),
+)
+print(len(topology.devices))
 """
 
 
