@@ -221,7 +221,8 @@ def chunked_encoder(
       >>> bool(jnp.allclose(grads, jax.grad(plain)(w), atol=1e-6))
       True
     """
-    _validation.callable_arg(encode, "encode")
+    _validation.callable_arg(encode, "encode", swapped_with=(
+        "chunk_size", chunk_size, "chunked_encoder(encode, chunk_size)"))  # fmt: skip
     chunk_size = _plan.check(chunk_size, "chunk_size")
     if policy is not None:
         _validation.callable_arg(policy, "policy")

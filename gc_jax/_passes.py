@@ -96,30 +96,57 @@ def per_device(inputs: list[Input], params: PyTree, view: EncoderView = "auto") 
         raise ValueError(f"encoder_view='local' cannot be used here: {why_not}.")
     chosen = [inp._replace(per_device=True) for inp in inputs]
     for inp, spanning in zip(chosen, inputs, strict=True):
-        try:
-            jaxprs = traced(inp, params)  # the encoder under shard_map
-        except Exception as e:
-            if view == "local":
-                _device_view.explain(e)
-                raise
-            # Written for the global view (annotations naming the batch axes): keep it
-            # so, if it traces there; else this raises the error of that view too.
-            output_shapes(spanning, params)
-            _log_spanning(inp, "does not trace on each device's rows")
-            return inputs
-        axes = inp.plan.layout.axes
-        found = next(filter(None, (_device_view.batch_annotation(j, axes) for j in jaxprs)), None)
-        if found and view == "local":
+        why = _why_spanning(inp, spanning, params, view)
+        if why and view == "local":
             raise ValueError(
-                f"encoder_view='local' cannot be used here: {inp.name} names the batch axes "
-                f"{axes!r} in a sharding annotation ({found}), which inside shard_map over "
-                "them names manual axes; use encoder_view='auto' or 'global' (the chunk then "
+                f"encoder_view='local' cannot be used here: {inp.name} {why}; inside "
+                f"shard_map over the batch axes {inp.plan.layout.axes!r} (manual there) it "
+                "is not provably valid: use encoder_view='auto' or 'global' (the chunk then "
                 "spans the devices, as under plain jit)."
             )
-        if found:
-            _log_spanning(inp, f"names the batch axes {axes!r} in a sharding annotation ({found})")
+        if why:
+            _log_spanning(inp, why)
             return inputs
     return chosen
+
+
+def _why_spanning(inp: Input, spanning: Input, params: PyTree, view: EncoderView) -> str | None:
+    """Why ``inp`` (encoded per device) must span the devices (None: it need not).
+
+    Read are the encoder's jaxpr and its VJP's (where JAX traced the custom derivative
+    rules: ``custom_vjp``'s forward and backward, ``custom_jvp``'s JVP), as pass 2
+    differentiates it: ``_device_view.unsafe_annotation``. An encoder whose VJP does
+    not trace per device is not provably harmless, and spans the devices ('auto').
+    """
+    layout = inp.plan.layout
+    try:
+        jaxprs = traced(inp, params)  # the encoder under shard_map
+    except Exception as e:
+        if view == "local":
+            found = _spanning_annotation(spanning, params)
+            if found:
+                raise ValueError(f"encoder_view='local' cannot be used here: {inp.name} "
+                                 f"{found}: {e}") from e  # fmt: skip
+            _device_view.explain(e)
+            raise
+        # Written for the global view: keep it so, if it traces there; else this
+        # raises the error of that view too.
+        output_shapes(spanning, params)
+        return "does not trace on each device's rows"
+    found = next(filter(None, (_device_view.unsafe_annotation(j, layout) for j in jaxprs)), None)
+    if found:
+        return found
+    try:
+        pulled = _traced_vjp(inp, params)
+    except Exception as e:
+        if view == "local":
+            return _spanning_annotation(spanning, params)
+        return f"does not differentiate on each device's rows ({type(e).__name__})"
+    found = next(filter(None, (_device_view.unsafe_annotation(j, layout) for j in pulled)), None)
+    if not found:
+        return None
+    rule = next(filter(None, (_device_view.rule_holding(j, layout) for j in jaxprs)), None)
+    return f"{found}, in {rule or 'a custom derivative rule'}"
 
 
 def _log_spanning(inp: Input, why: str) -> None:
@@ -131,6 +158,45 @@ def _log_spanning(inp: Input, why: str) -> None:
 def traced(inp: Input, params: PyTree) -> list:
     """The jaxprs of the encoder on the plan's sample chunks."""
     return [jax.make_jaxpr(_encoder(inp, c))(params, _diff(inp, c)) for c in inp.plan.samples()]
+
+
+def _traced_vjp(inp: Input, params: PyTree) -> list:
+    """The jaxprs of the encoder's VJP on the plan's sample chunks, as pass 2 runs it
+    (one copy of the parameters per device), pulled back from ones."""
+
+    def pulled(c, params, diff):
+        own = jax.tree.map(inp.plan.layout.stack, params)
+        out, pull = jax.vjp(_encoder(inp, c, True, True), own, diff)
+        return pull(jax.tree.map(_ones, out))
+
+    return [jax.make_jaxpr(lambda p, d, c=c: pulled(c, p, d))(params, _diff(inp, c))
+            for c in inp.plan.samples()]  # fmt: skip
+
+
+def _ones(r: jax.Array) -> jax.Array:
+    return jnp.ones_like(r) if is_inexact(r) else np.zeros(r.shape, jax.dtypes.float0)
+
+
+def _spanning_annotation(spanning: Input, params: PyTree) -> str | None:
+    """For an error: the first annotation that is not harmless per device in the
+    encoder on a chunk spanning the devices, or in its VJP (None: none, or it does not
+    trace there either)."""
+    layout = spanning.plan.layout
+    c = next(iter(spanning.plan.samples()))
+    chunk = spanning.plan.take(spanning.batch, c)
+    encode = lambda p: _validation.call_encoder(spanning.encode, p, chunk, _key(spanning, c),
+                                                spanning.name)  # fmt: skip
+    try:
+        primal = jax.make_jaxpr(encode)(params)
+        found = _device_view.unsafe_annotation(primal, layout, encoder_only=False)
+        if found:
+            return found
+        cotangents = jax.eval_shape(encode, params)
+        pulled = jax.make_jaxpr(lambda p, g: jax.vjp(encode, p)[1](g))(params, cotangents)
+    except Exception:
+        return None
+    found = _device_view.unsafe_annotation(pulled, layout, encoder_only=False)
+    return found and f"{found}, in a custom derivative rule"
 
 
 def _key(inp: Input, c) -> jax.Array | None:

@@ -19,11 +19,13 @@ optimizer update is elementwise and cheap next to the two encoder passes.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state as flax_train_state
 from jax.typing import DTypeLike
@@ -106,6 +108,41 @@ def _metrics(loss, aux, grads, finite, has_aux, scale) -> dict[str, Any]:
     return metrics
 
 
+def _warn_if_skipped(finite, loss, grads, dynamic_scale) -> None:
+    """A ``RuntimeWarning`` from the host when the step is skipped, naming what was not
+    finite; nothing runs on a finite step (a ``lax.cond``). With a dynamic loss scale an
+    overflow is expected and backed off from: it warns once the scale is at its minimum
+    (1), or when the loss itself is not finite (as ``check_finite``)."""
+    report = ~finite
+    if dynamic_scale is not None:
+        report = report & ((dynamic_scale <= _loss_scale.MIN_LOSS_SCALE) | ~jnp.isfinite(loss))
+    leaves = _loss_scale._grad_leaves(grads)
+    names, sizes = [n for n, _ in leaves], [g.size for _, g in leaves]
+    counts = [jnp.sum(~jnp.isfinite(g)) for _, g in leaves]
+
+    def warn(loss, *counts):
+        named = list(zip(names, (int(c) for c in counts), sizes, strict=True))
+        if np.all(np.isfinite(loss)) and not any(c for _, c, _ in named):
+            what = (
+                "gc_jax train step: the loss and gradients are finite, but the optimizer's "
+                "update (evaluated at other parameters: value_fn, obj_fn, grad_fn) is not."
+            )
+        else:
+            what = _loss_scale._nonfinite_message(loss, True, named)
+        warnings.warn(what + _SKIPPED, RuntimeWarning, stacklevel=2)
+
+    jax.lax.cond(report, lambda: jax.debug.callback(warn, loss, *counts), lambda: None)
+
+
+_SKIPPED = (
+    " make_train_step skipped this step (skip_nonfinite=True): params, optimizer state and "
+    "step are unchanged and metrics['is_finite'] is False. Common causes: a learning rate "
+    "too high; float16 overflow (use loss_scale='dynamic'); a row without tokens "
+    "normalised as x / ||x|| (its gradient is NaN; gc_jax.pooling.l2_normalize clamps the "
+    "norm). check_finite=True raises instead; warn_skipped=False silences this warning."
+)
+
+
 def _check_settings(loss_scale, skip_nonfinite, growth_interval, check_finite):
     """Validated ``(loss_scale, growth_interval, check mode or False)``."""
     loss_scale = _loss_scale.check_loss_scale(loss_scale, allow_dynamic=True)
@@ -139,6 +176,7 @@ def make_train_step(
     check_finite: bool | str = False,
     cache_dtype: DTypeLike | None = None,
     encoder_view: EncoderView = "auto",
+    warn_skipped: bool = True,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """A pure training step with cached (chunked) gradients.
 
@@ -184,7 +222,8 @@ def make_train_step(
         unchanged (params, optimizer state and ``TrainState.step``) instead of
         applying the update; when the optimizer evaluated the loss at other
         parameters (``value_fn``, ``obj_fn``, ``grad_fn``), also if an updated
-        parameter is not finite. ``metrics["is_finite"]`` says which happened.
+        parameter is not finite. ``metrics["is_finite"]`` says which happened, and
+        a skipped step warns (``warn_skipped``).
       loss_scale: None; a positive number, a static loss scale; or ``"dynamic"``,
         dynamic loss scaling (for float16 encoders): the state then carries a
         :class:`DynamicLossScale` (see Returns), halved on every non-finite step
@@ -202,6 +241,14 @@ def make_train_step(
         a non-finite loss always raises.
       cache_dtype: dtype of the cached (float) representations (default: the
         encoder's own output dtype; see ``cached_value_and_grad``).
+      warn_skipped: a skipped step is never silent: by default it issues a
+        ``RuntimeWarning`` from the host (a ``jax.debug.callback`` run only on a
+        skipped step, under ``jit``, ``pmap`` and ``shard_map`` alike) naming the loss
+        and the gradients that were not finite. Python shows a repeated warning once
+        per message (``warnings`` filters); with ``loss_scale="dynamic"`` an overflow
+        backed off from warns only at the minimum scale or for a non-finite loss.
+        ``False`` silences it (``metrics["is_finite"]`` still says so);
+        ``check_finite`` raises instead.
 
     Returns:
       ``train_step(state, *inputs, rng=None, **loss_kwargs) -> (state, metrics)``,
@@ -311,6 +358,8 @@ def make_train_step(
         finite = finite & still_finite
         if skip_nonfinite:
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, trained)
+            if warn_skipped:
+                _warn_if_skipped(finite, loss, grads, scale_state.scale if dynamic else None)
 
         new_scale = None
         if dynamic:

@@ -63,10 +63,50 @@ def float_dtype(value: Any, name: str) -> Any:
     return dtype
 
 
-def callable_arg(value: Any, name: str) -> Callable:
+def callable_arg(value: Any, name: str, *, swapped_with: tuple | None = None) -> Callable:
+    """``value`` if callable, else a TypeError naming ``name``. ``swapped_with``:
+    ``(other argument's name, its value, the call to write)``, named when that one is
+    callable instead (the two given in the wrong order)."""
     if not callable(value):
-        raise TypeError(f"{name} must be callable, got {value!r} ({type(value).__name__}).")
+        hint = ""
+        if swapped_with is not None and callable(swapped_with[1]):
+            hint = (
+                f", while {swapped_with[0]} is callable: the two look swapped; write "
+                f"{swapped_with[2]}"
+            )
+        raise TypeError(f"{name} must be callable, got {value!r} ({type(value).__name__}){hint}.")
     return value
+
+
+def swapped_loss_and_encoder(loss_fn: Callable, encode: Callable, params: PyTree,
+                             batch: PyTree) -> str | None:  # fmt: skip
+    """A message when ``loss_fn`` and ``encode`` were given in each other's place:
+    ``loss_fn(params, batch, None)`` returns one row per row of ``batch`` as an encoder
+    does, and ``encode(params, batch, None)`` does not (it raises, or returns a scalar).
+    Asked only once a step has failed (shapes only: ``jax.eval_shape``)."""
+    as_encoder = lambda f: jax.eval_shape(lambda p, x: f(p, x, None), params, batch)
+    rows = {x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)}
+    per_row = lambda out: (
+        bool(jax.tree.leaves(out))
+        and all(getattr(r, "ndim", 0) and {r.shape[0]} == rows for r in jax.tree.leaves(out))
+    )
+    try:
+        got = as_encoder(loss_fn)
+    except Exception:
+        return None
+    try:
+        if not per_row(got) or per_row(as_encoder(encode)):
+            return None
+    except Exception:
+        pass  # the encoder fails on a batch: as a loss would
+    return (
+        f"the loss and the encoder look swapped: loss_fn ({_signature(loss_fn)}) returns one "
+        f"row per input row as an encoder does ({_structure(got)}), and the encoder "
+        f"({_signature(encode)}) does not. The loss comes first: write "
+        "cached_value_and_grad(loss_fn, encode, chunk_size) (make_train_step(loss_fn, "
+        "encode, chunk_size, ...) likewise), with loss_fn(params, *reps) and "
+        "encode(params, chunk, key)."
+    )
 
 
 def leading_size(tree: PyTree, name: str, *, axis: str = "batch", hint: str = "") -> int:

@@ -23,6 +23,7 @@ nothing re-encoded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,7 +125,10 @@ def _check_loss_call(loss_fn: Callable[..., Any], num_inputs: int, kwargs: dict)
     )
 
 
-def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder, ...]:
+def _encoders(
+    encoders: Encoder | Sequence[Encoder], chunk_size: Any
+) -> Encoder | tuple[Encoder, ...]:
+    """``encoders`` checked callable (a chunk size given in their place is named)."""
     if isinstance(encoders, Sequence):
         encoders = tuple(
             _validation.callable_arg(e, f"encoders[{i}]") for i, e in enumerate(encoders)
@@ -132,7 +136,8 @@ def _encoders(encoders: Encoder | Sequence[Encoder]) -> Encoder | tuple[Encoder,
         if not encoders:
             raise ValueError("encoders is an empty sequence; expected one encoder per input.")
         return encoders
-    return _validation.callable_arg(encoders, "encoders")
+    swapped = ("chunk_size", chunk_size, "cached_value_and_grad(loss_fn, encode, chunk_size)")
+    return _validation.callable_arg(encoders, "encoders", swapped_with=swapped)
 
 
 def _split_inexact(tree: PyTree) -> tuple[list, Callable[[list], PyTree]]:
@@ -250,7 +255,7 @@ def cached_value_and_grad(
     """
     _validation.callable_arg(loss_fn, "loss_fn")
     _check_loss_keywords(loss_fn)
-    encoders = _encoders(encoders)
+    encoders = _encoders(encoders, chunk_size)
     chunk_size = _plan.check_all(chunk_size)
     cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
     encoder_view = _validation.encoder_view(encoder_view)
@@ -306,7 +311,27 @@ def cached_value_and_grad(
         out = ((loss, aux), grads) if has_aux else (loss, grads)
         return _first_order_only(out, chunk_size, inputs)
 
-    return value_and_grad_fn
+    return _naming_a_swap(value_and_grad_fn, loss_fn, encoders)
+
+
+def _naming_a_swap(value_and_grad_fn: Callable, loss_fn: Callable, encoders: Any) -> Callable:
+    """``value_and_grad_fn``, whose errors become a TypeError saying so where the loss
+    and the encoder were given in each other's place (asked only once it has failed)."""
+    first = encoders if callable(encoders) else encoders[0]
+
+    @functools.wraps(value_and_grad_fn)
+    def checked(params: PyTree, *inputs: PyTree, **kwargs: Any):
+        try:
+            return value_and_grad_fn(params, *inputs, **kwargs)
+        except Exception as e:
+            swapped = inputs and _validation.swapped_loss_and_encoder(
+                loss_fn, first, params, inputs[0]
+            )
+            if swapped:
+                raise TypeError(swapped) from e
+            raise
+
+    return checked
 
 
 def _first_order_only(out: Any, chunk_size: Any, inputs: tuple) -> Any:

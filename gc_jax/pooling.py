@@ -44,6 +44,20 @@ def _check(hidden: jax.Array, mask: jax.Array, how: str) -> None:
         )
 
 
+def _check_head(head: jax.Array, width: int) -> None:
+    shape = tuple(getattr(head, "shape", ()))
+    if len(shape) == 2 and shape[0] == width:
+        return
+    hint = ""
+    if len(shape) == 2 and shape[1] == width:
+        hint = f" (this one looks transposed: pass head.T, shape {shape[::-1]})"
+    raise ValueError(
+        f"head must be a (width, dim) projection whose width is hidden's last axis "
+        f"({width}); got head of shape {shape}{hint}: pass a ({width}, dim) array, or "
+        "head=None to keep the pooled width."
+    )
+
+
 def pool(hidden: jax.Array, mask: jax.Array, how: Pooling = "mean") -> jax.Array:
     """One vector per row from its real tokens.
 
@@ -82,13 +96,19 @@ def pool(hidden: jax.Array, mask: jax.Array, how: Pooling = "mean") -> jax.Array
 def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
     """``x`` divided by its L2 norm along the last axis (at least ``eps``).
 
+    As torch's ``F.normalize``: ``x / max(||x||, eps)``, differentiable everywhere. A
+    row of zeros (an empty row pooled to zeros) stays zeros with a finite gradient
+    (the norm's derivative, undefined at 0, is not taken below ``eps``), so one empty
+    row does not make a step's gradients NaN. Computed in float32.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> l2_normalize(jnp.array([[3.0, 4.0]]))
       Array([[0.6, 0.8]], dtype=float32)
     """
-    norm = jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-    return (x / jnp.maximum(norm, eps).astype(x.dtype)).astype(x.dtype)
+    wide = x.astype(jnp.float32)
+    squares = jnp.sum(wide * wide, axis=-1, keepdims=True)
+    return (wide * jax.lax.rsqrt(jnp.maximum(squares, jnp.float32(eps) ** 2))).astype(x.dtype)
 
 
 def embed(
@@ -120,5 +140,6 @@ def embed(
     """
     x = pool(hidden, mask, how)
     if head is not None:
+        _check_head(head, hidden.shape[-1])
         x = x @ head
     return l2_normalize(x) if normalize else x
