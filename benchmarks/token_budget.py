@@ -42,8 +42,8 @@ pairs; the data (``--data``):
   160 to 384 tokens): about two thirds of the padded tokens are padding, and
   attention is half of the long chunks' FLOPs (``n / (6 d) = 1`` at 384). Its
   settings are ``heldout``'s (``--settings`` picks some);
-* ``heldout3``: a third held-out shape, fixed before it was measured (session 15), at
-  the issue's 75 % padding: a 2-layer encoder of width d = 64 with 4 heads of 16
+* ``heldout3``: a third held-out shape, fixed before it was measured, at
+  75 % padding: a 2-layer encoder of width d = 64 with 4 heads of 16
   (feed-forward 256), batch 224, ``R = 28`` rows, queries padded to 40 tokens with
   lengths uniform from 3 to 24, documents padded to 448 tokens with gamma lengths
   (shape 1.5, scale 70: median 83, 90th percentile 219): 75.8 % of the padded

@@ -30,8 +30,8 @@ the parameters' shapes only, ``jax.eval_shape``) and prints each phase's wall ti
 ``--time-limit`` bounds the whole run: a worker still running then is stopped, and
 those not started are skipped.
 
-``--plan DIR``: the GPU plan in one command (a lent GPU session has minutes of device
-time, so the comparison has to come from one prepared command). The runs below, one
+``--plan DIR``: the whole GPU comparison in one command, bounded in time (so that a
+machine rented by the minute runs it unattended). The runs below, one
 after the other, most valuable first, each under its own time limit and never past
 ``--time-limit`` in all (420 s by default; a run that would start with under
 ``--min-step-s`` left is skipped), the weights drawn once for all of them; each run's

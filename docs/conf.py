@@ -21,7 +21,7 @@ extensions = [
     "sphinx.ext.napoleon",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "reference"]  # docs/reference: the API as Markdown, for the forge
 html_theme = "furo"
 html_title = "gc_jax"
 

@@ -1,9 +1,9 @@
 """docs/model_libraries.md: its code is examples/library_embedders.py, block for block.
 
 The recipes need MaxText, gemma and Penzai (2.8-3.5 GB installs), so CI does not run
-them: ``benchmarks/model_libraries.py`` does (BENCHMARKS.md, "Model libraries (session
-18)"), with the functions of ``examples/library_embedders.py``. This test keeps the page
-and that module the same, and checks that the module imports without the libraries.
+them: ``benchmarks/model_libraries.py`` does (docs/benchmarks/model_libraries.md), with
+the functions of ``examples/library_embedders.py``. This test keeps the page and that
+module the same, and checks that the module imports without the libraries.
 """
 
 import importlib.util

@@ -34,10 +34,12 @@ PAGES = {
         "quick start",
         "run it",
         "a full training step",
+        "a full training step: params and opt_state",
         "bring your own step: a plain optax loop",
         "bring your own step: nnx",
     ],
     "chunk_size.md": ["setup", "largest chunk size"],
+    "mixed_precision.md": ["bfloat16", "float16: dynamic loss scaling"],
     "token_budgets.md": ["token budget", "run it", "token packing"],
     "scaling_out.md": [
         "setup",
@@ -172,6 +174,17 @@ def test_quickstart():
     chex.assert_trees_all_close(ns["metrics"]["loss"], want_loss, **TOL)
     chex.assert_trees_all_close(ns["state"].params, want_params, **TOL)
 
+    reference = nnx.Linear(8, 4, rngs=nnx.Rngs(0))  # the next block's model, before its step
+    unit = lambda out: out / jnp.linalg.norm(out, axis=-1, keepdims=True)
+    encode = gc_jax.nnx_encoder(reference, get_rep=unit)
+    weights = nnx.state(reference, nnx.Param)
+    want_value, want_grads_nnx = full_value_and_grad(ns["loss_fn"], encode, weights, queries, docs)
+    run("quickstart.md", "a full training step: params and opt_state", namespace=ns)
+    chex.assert_trees_all_close(ns["metrics"]["loss"], want_value, **TOL)
+    trained = adamw_step(weights, want_grads_nnx)
+    chex.assert_trees_all_close(ns["weights"], trained, **TOL)  # the (params, opt_state) pair
+    chex.assert_trees_all_close(nnx.state(ns["linear"], nnx.Param), trained, **TOL)  # nnx.update
+
     run("quickstart.md", "bring your own step: a plain optax loop", namespace=ns)
     tx = ns["tx"]
     updates, _ = tx.update(want_grads, tx.init(params), params)
@@ -187,6 +200,21 @@ def test_quickstart():
     chex.assert_trees_all_close(ns["value"], want_loss, **TOL)
     got = jax.tree.leaves(nnx.state(ns["model"], nnx.Param))
     chex.assert_trees_all_close(got, jax.tree.leaves(adamw_step(nnx_params, want_grads)), **TOL)
+
+
+def test_mixed_precision():
+    ns = run("mixed_precision.md", "bfloat16")
+    want_loss, want_grads = full_value_and_grad(
+        ns["loss_fn"], ns["encode"], ns["params"], ns["queries"], ns["docs"]
+    )
+    chex.assert_trees_all_close(ns["loss"], want_loss, rtol=1e-4)  # the same bfloat16 reps
+    chex.assert_trees_all_close(ns["grads"], want_grads, rtol=2e-2, atol=5e-3)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(ns["grads"]))
+
+    run("mixed_precision.md", "float16: dynamic loss scaling", namespace=ns)
+    params, _, scale = ns["state"]
+    assert float(scale.scale) == 2.0**14 and int(scale.good_steps) == 3  # one skip, three steps
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))
 
 
 def test_largest_chunk_size_on_a_compile_only_tpu():
