@@ -363,8 +363,8 @@ def make_train_step(
         if skip_nonfinite:
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, trained)
             if warn_skipped:
-                scale = scale_state.scale if dynamic else None
-                _warn_if_skipped(finite, loss, grads, scale, bool(check_mode))
+                dynamic_scale = scale_state.scale if dynamic else None
+                _warn_if_skipped(finite, loss, grads, dynamic_scale, bool(check_mode))
 
         new_scale = None
         if dynamic:
