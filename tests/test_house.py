@@ -30,7 +30,7 @@
    others import it).
 7. **One name, one module.** No two modules (or packages) of gc_jax share a name, a
    leading ``_`` aside (``gc_jax._plan`` beside ``gc_jax.losses._engine.plan`` once
-   meant two things). The 0.1 paths kept as deprecated aliases
+   meant two things), but for a package and its main module (``_engine.engine``). The 0.1 paths kept as deprecated aliases
    (``gc_jax._deprecated.MODULES``) are the one exception, until 0.3.0 removes them.
 8. **The benchmarks and examples use the public API**: none imports a ``_``-prefixed
    module or name of gc_jax, so what they measure is what users can call.
@@ -324,12 +324,23 @@ def shared_names(names: list[str]) -> dict[str, list[str]]:
     for name in names:
         if "." in name:
             by_name.setdefault(name.rpartition(".")[2].lstrip("_"), []).append(name)
-    return {n: sorted(m) for n, m in by_name.items() if len(m) > 1}
+    return {n: sorted(m) for n, m in by_name.items() if len(m) > 1 and not _package_and_main(m)}
+
+
+def _package_and_main(names: list[str]) -> bool:
+    """A package and the one module in it named after it (``_engine`` and
+    ``_engine.engine``): one concept, the package's main module."""
+    if len(names) != 2:
+        return False
+    a, b = sorted(names, key=len)
+    return b.rpartition(".")[0] == a
 
 
 def test_shared_names_are_found():
     found = shared_names(["gc_jax", "gc_jax._plan", "gc_jax.losses._engine.plan", "gc_jax.x"])
     assert found == {"plan": ["gc_jax._plan", "gc_jax.losses._engine.plan"]}
+    assert shared_names(["gc_jax.a._engine", "gc_jax.a._engine.engine"]) == {}
+    assert shared_names(["gc_jax._engine", "gc_jax.a._engine.engine"]) != {}
 
 
 def test_no_two_modules_share_a_name():
