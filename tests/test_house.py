@@ -30,8 +30,9 @@
    others import it).
 7. **One name, one module.** No two modules (or packages) of gc_jax share a name, a
    leading ``_`` aside (``gc_jax._plan`` beside ``gc_jax.losses._engine.plan`` once
-   meant two things), but for a package and its main module (``_engine.engine``). The 0.1 paths kept as deprecated aliases
-   (``gc_jax._deprecated.MODULES``) are the one exception, until 0.3.0 removes them.
+   meant two things), but for a package and its main module (``_engine.engine``). The
+   0.1 paths kept as deprecated aliases (``gc_jax._deprecated.MODULES``) are the other
+   exception, until 0.3.0 removes them.
 8. **The benchmarks and examples use the public API**: none imports a ``_``-prefixed
    module or name of gc_jax, so what they measure is what users can call.
 """
