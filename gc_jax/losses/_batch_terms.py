@@ -29,11 +29,6 @@ from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName, PyTree
 
 
-def accumulation_dtype(*arrays: jax.Array) -> Any:
-    """At least float32 (float64 stays float64)."""
-    return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
-
-
 def _global_of(fn: Callable[[PyTree], jax.Array], stats: PyTree, axis_name: AxisName) -> jax.Array:
     """``fn(psum(stats))`` in value; differentiates like ``fn'(S) . stats`` (the share)."""
     total = jax.lax.stop_gradient(jax.lax.psum(stats, axis_name))

@@ -1,7 +1,7 @@
 """What every loss shares: argument checks, the reduction, and where the rows are scored.
 
 :func:`run` reads how the rows lie (one device, ``shard_map``/``pmap``, or ``jit`` over
-a mesh) and calls a loss's per-device body there; :func:`rows`, the one dispatcher, is
+a mesh) and calls a loss's per-device body there; :func:`dispatch`, the one dispatcher, is
 that body's per-row losses for every loss (a spec of its families of logits) in the
 dense, blockwise, gather or ring form; :func:`reduce` turns this device's per-row
 losses into the global loss.
@@ -19,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
 from gc_jax.losses import _bank, _options
-from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses._engine import engine as _engine
 from gc_jax.losses._engine import families as _families
-from gc_jax.losses._engine import plan as _plan
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine.masks import Metadata, Sides
+from gc_jax.losses._engine.families import Metadata
+from gc_jax.losses._engine.precision import accumulation_dtype
+from gc_jax.losses._engine.sides import Sides
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -142,7 +143,7 @@ def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> j
     return _distributed.global_loss(share, axis_name)
 
 
-def rows(spec, x, y, scalars, where: Where, options=None) -> jax.Array:
+def dispatch(spec, x, y, scalars, where: Where, options=None) -> jax.Array:
     """Per-row losses of this device's ``x`` against every device's ``y``: the dense,
     blockwise, gather or ring form of every loss.
 
@@ -191,8 +192,8 @@ def _gathered_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tu
         ids = (options.query_ids is not None, options.doc_ids is not None)
         sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
     if where.block_size is not None:
-        plan = _plan.Plan(spec, where.block_size)
-        return _plan.call(plan, _families.Inputs(sides, scalars[0], meta, scalars[1]))
+        engine = _engine.Engine(spec, where.block_size)
+        return _engine.call(engine, _families.Inputs(sides, scalars[0], meta, scalars[1]))
     return _families.dense(spec, sides, _dense_scalars(spec, sides, scalars), meta)
 
 
@@ -219,8 +220,8 @@ def _ring_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tuple)
         ids = (options.query_ids is not None, options.doc_ids is not None)
         sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
     meta = meta._replace(targets=_options.targets(spec, 0, n))  # into its own block
-    plan = _plan.Plan(spec, where.block(max(n, _tiles.count(y))), axis_name)
-    return _plan.call(plan, _families.Inputs(sides, scalars[0], meta, scalars[1]))
+    engine = _engine.Engine(spec, where.block(max(n, _tiles.count(y))), axis_name)
+    return _engine.call(engine, _families.Inputs(sides, scalars[0], meta, scalars[1]))
 
 
 def _metadata(spec, options, offsets: tuple, cols=None) -> Metadata:
@@ -242,7 +243,7 @@ def _dense_scalars(spec, sides: Sides, scalars: tuple) -> tuple:
     """``(scale, bias)`` in the accumulation dtype of the rows and the scalars."""
     scale, bias = scalars
     leaves = [spec.score.leaf(v) for v in (sides.x, sides.y)]
-    acc = _blockwise.accumulation_dtype(*leaves, *(v for v in scalars if v is not None))
+    acc = accumulation_dtype(*leaves, *(v for v in scalars if v is not None))
     return jnp.asarray(scale, acc), None if bias is None else jnp.asarray(bias, acc)
 
 

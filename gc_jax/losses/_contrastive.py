@@ -245,7 +245,7 @@ def with_options(
         if count:  # the bank's count travels as a scalar
             opts = opts._replace(bank=opts.bank._replace(count=count[0]))
         scale, where = scale_of(temperature), _common.Where(block_size, axis_name, ring)
-        per_row = _common.rows(spec, x, y, (scale, None), where, opts)
+        per_row = _common.dispatch(spec, x, y, (scale, None), where, opts)
         rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 

@@ -103,7 +103,7 @@ def maxsim_loss(
         scale = jnp.asarray(1.0 / temperature, acc)
         spec = _options.one_spec(Softmax, _options.Options(), k, MaxSim)
         where = _common.Where(block_size, axis_name, ring)
-        per_row = _common.rows(spec, x, y, (scale, None), where)
+        per_row = _common.dispatch(spec, x, y, (scale, None), where)
         rows = len(x.tokens) * _common.num_devices(axis_name)
         return _common.reduce(per_row, rows, reduction, axis_name)
 

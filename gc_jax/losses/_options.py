@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _narrow
-from gc_jax.losses._engine.families import Family, Spec, one
-from gc_jax.losses._engine.masks import Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.families import Family, Metadata, Spec, Targets, one
+from gc_jax.losses._engine.masks import Meta, Rule
 from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.sides import Sides, banked
 from gc_jax.losses._engine.strategies import Strategy
 from gc_jax.losses._engine.tiles import Firsts, Repeated
 
@@ -220,7 +221,7 @@ def spec(options: Options, k: int) -> Spec:
     families = tuple(make[d] for d in options.directions)
     if options.bank is not None:  # each direction's columns, and their bank's earlier ones
         bank = tuple(
-            f._replace(cols="b" + f.cols, rule=f.rule.for_bank(), target=None) for f in families
+            f._replace(cols=banked(f.cols), rule=f.rule.for_bank(), target=None) for f in families
         )
         families += bank
     return Spec(families, 1 if joint else len(options.directions), k)

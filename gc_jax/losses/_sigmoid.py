@@ -91,7 +91,7 @@ def sigmoid_loss(
         options = _options.Options(query_ids=(extras or {}).get("qid"),
                                    doc_ids=(extras or {}).get("pid"))  # fmt: skip
         spec = _options.one_spec(_strategies.Sigmoid, options)
-        per_row = _common.rows(spec, x, y, scalars, where, options)
+        per_row = _common.dispatch(spec, x, y, scalars, where, options)
         num_rows = len(x) * _common.num_devices(axis_name)
         return _common.reduce(per_row, num_rows, reduction, axis_name)
 

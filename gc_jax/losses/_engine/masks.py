@@ -41,31 +41,6 @@ class Meta(NamedTuple):
     t: Any = None
 
 
-class Sides(NamedTuple):
-    """Something per side of a loss (rows, metadata, gradients); None where absent.
-
-    ``x``: the queries; ``y``: the documents (``k`` per query); ``p``: each query's
-    positive document (rows only: ``Firsts`` of ``y``); ``cx``, ``cy``: the columns
-    gathered from every device (the gather form); ``bx``, ``by``: a bank's earlier
-    queries and documents (``_bank``). Alphabetical, as :class:`Meta`."""
-
-    bx: Any = None
-    by: Any = None
-    cx: Any = None
-    cy: Any = None
-    p: Any = None
-    x: Any = None
-    y: Any = None
-
-    def of(self, side: str) -> Any:
-        """The entry of ``side`` (a field name; None for a name with no field)."""
-        return getattr(self, side, None)
-
-    def put(self, side: str, value: Any) -> Sides:
-        """These sides with ``side``'s entry replaced."""
-        return self._replace(**{side: value})
-
-
 def _equal(a: jax.Array, b: jax.Array) -> jax.Array:
     """``[rows, cols]``: whether row ``i`` of ``a`` equals row ``j`` of ``b`` (ids ``[., w]``)."""
     eq = [a[:, None, w] == b[None, :, w] for w in range(a.shape[1])]  # no reduce: fused
@@ -171,20 +146,3 @@ class Mask(NamedTuple):
     rule: Rule
     rows: Meta
     cols: Meta
-
-
-class Targets(NamedTuple):
-    """Each row's target column, by ``_families.Family.target``: ``first`` (column
-    ``i * k``, the query's positive document) and ``self`` (column ``i``)."""
-
-    first: Any = None
-    self: Any = None
-
-
-class Metadata(NamedTuple):
-    """A loss's metadata: its rows' and columns' :class:`Meta` by side (:class:`Sides`),
-    and its families' :class:`Targets`."""
-
-    cols: Sides
-    rows: Sides
-    targets: Targets = Targets()

@@ -1,17 +1,17 @@
 """The one engine: a spec's families of logits, on one device or around a ring.
 
-A :class:`Plan` runs a ``_families.Spec`` in tiles of ``block`` rows. Its columns come
+An :class:`Engine` runs a ``families.Spec`` in tiles of ``block`` rows. Its columns come
 in *passes*: a pass visits one side's columns (documents ``y``, queries ``x``, a bank's
 ``by``/``bx``, or the gathered ``cy``/``cx``) with the families that score against
 them. The local form (one device, or the columns gathered; ``axis_name`` None) is the
 ring of one device: each family is its own pass, and its one block is visited once.
 On a ring (``method="ring"``) each side is one pass around the ``axis_name`` devices
-(``_ring``'s schedule), each block travelling with its columns' metadata (ids, the
+(``ring``'s schedule), each block travelling with its columns' metadata (ids, the
 guide's rows, its first row's global index), so the masks of every tile are the dense
 form's. A visit sweeps every family of the pass, this device's rows (queries, or
-their positive documents) against the block it holds (``_blockwise.sweep``).
+their positive documents) against the block it holds (``blockwise.sweep``).
 
-The backward makes the same passes (``_blockwise.backward(into=...)``): the rows'
+The backward makes the same passes (``blockwise.backward(into=...)``): the rows'
 gradients are added into one buffer per side that stays here, the block's into its
 columns' buffer: locally the side's own (the same as the rows' when a family scores a
 side against itself), on the ring an accumulator that travels one step behind its
@@ -20,7 +20,7 @@ dtypes, the first family's written over zeros; a spec of one family writes its
 gradients over copies of its inputs instead (no zeros at all). On the ring they are
 in the accumulation dtype, summing every device's contributions; the passes, each
 pass's last ``ppermute`` and the scalars' ``psum`` are ordered by data dependencies
-(``_order.after``).
+(``order.after``).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from gc_jax.losses._engine import sweeps as _sweeps
 from gc_jax.losses._engine import tiles as _tiles
 from gc_jax.losses._engine import vjp as _vjp
 from gc_jax.losses._engine.families import Family, Inputs, Spec, targets_of
-from gc_jax.losses._engine.masks import Mask, Metadata, Sides, Targets
+from gc_jax.losses._engine.masks import Mask
 from gc_jax.losses._engine.order import after, after_on_cpu
+from gc_jax.losses._engine.precision import accumulation_dtype
 from gc_jax.losses._engine.ring import around, around_back
-from gc_jax.losses._engine.strategies import Strategy
+from gc_jax.losses._engine.sides import Sides, is_bank
 from gc_jax.losses._engine.tiles import Firsts
 
 
@@ -75,10 +76,10 @@ class State(NamedTuple):
     dalpha: Any = None
 
 
-class Plan(NamedTuple):
-    """The engine (``_vjp.Engine``) of ``spec``'s families in tiles of ``block`` rows,
+class Engine(NamedTuple):
+    """The engine (a ``vjp.Differentiable``) of ``spec``'s families in tiles of ``block`` rows,
     on the ring of ``axis_name`` (None: one device, or the gathered columns); static,
-    hashable. Its inputs are ``_families.Inputs``."""
+    hashable. Its inputs are ``families.Inputs``."""
 
     spec: Spec
     block: int
@@ -91,7 +92,7 @@ class Plan(NamedTuple):
         grads, (dscale, dbias), dalpha = backward(self, inputs, stats, g)
         return Inputs(grads, dscale, _families.alpha_cotangent(inputs.meta, dalpha), dbias)
 
-    def tiles(self, fam: Family, inputs: Inputs, here: tuple, own: bool) -> _blockwise.Tiles:
+    def tiles(self, fam: Family, inputs: Inputs, here: tuple, own: bool) -> _tiles.Tiles:
         """Family ``fam``'s tiles of this device's rows against the block ``here``
         (``(columns, their metadata)``; ``own``: this device's, holding the targets)."""
         spec, (sides, scale, meta, bias) = self.spec, inputs
@@ -100,7 +101,7 @@ class Plan(NamedTuple):
         mask = None if fam.rule is None else Mask(fam.rule, meta.rows.of(fam.rows), cols_meta)
         bias = jnp.zeros((), scale.dtype) if bias is None else bias
         rows = _families.rows_of(fam, sides, spec.k)
-        return _blockwise.Tiles(spec.kind, self.block, rows, cols, targets, scale, bias, mask,
+        return _tiles.Tiles(spec.kind, self.block, rows, cols, targets, scale, bias, mask,
                                 spec.score)  # fmt: skip
 
 
@@ -109,60 +110,60 @@ def _here(p: Pass, inputs: Inputs) -> tuple:
     return inputs.sides.of(p.cols), inputs.meta.cols.of(p.meta)
 
 
-def forward(plan: Plan, inputs: Inputs) -> tuple[jax.Array, tuple]:
+def forward(engine: Engine, inputs: Inputs) -> tuple[jax.Array, tuple]:
     """Per-query losses and each group's statistic (its log-sum-exp), tile by tile."""
-    spec, (sides, scale, _, _) = plan.spec, inputs
+    spec, (sides, scale, _, _) = engine.spec, inputs
     carries = (_blockwise.init(spec.kind, sides.x, sides.y, dtype=scale.dtype),) * spec.groups
-    ring = plan.axis_name is not None
+    ring = engine.axis_name is not None
     for n, p in enumerate(passes(spec, sides, ring)):
 
         def visit(here, carries, own, p=p):
             carries = list(carries)
             for fam in p.families:
-                tiles = plan.tiles(fam, inputs, here, own)
+                tiles = engine.tiles(fam, inputs, here, own)
                 carries[fam.group] = _blockwise.sweep(tiles, carries[fam.group])
             return tuple(carries)
 
         here = _here(p, inputs)
         if n and ring:  # the second ring starts once the first is done
             here = after(here, carries)
-        carries = around(visit, here, carries, plan.axis_name)
+        carries = around(visit, here, carries, engine.axis_name)
     losses, stats = zip(*(spec.kind.finish(c) for c in carries), strict=True)
     return _families.mean(losses), stats
 
 
-def backward(plan: Plan, inputs: Inputs, stats: tuple, g: jax.Array) -> tuple:
+def backward(engine: Engine, inputs: Inputs, stats: tuple, g: jax.Array) -> tuple:
     """Cotangents of the sides, of ``(scale, bias)`` (the bias's None without one) and
     of the hardness strength (None without hardness)."""
-    spec, sides = plan.spec, inputs.sides
-    g, ring = g / spec.groups, plan.axis_name is not None
-    if not ring and len(spec.families) == 1 and not spec.families[0].cols.startswith("b"):
-        return _written_over(plan, inputs, stats, g)
+    spec, sides = engine.spec, inputs.sides
+    g, ring = g / spec.groups, engine.axis_name is not None
+    if not ring and len(spec.families) == 1 and not is_bank(spec.families[0].cols):
+        return _written_over(engine, inputs, stats, g)
     state = State(_ring_buffers(spec, inputs) if ring else Sides())
-    all_passes, args = passes(spec, sides, ring), (plan, inputs, stats, g)
+    all_passes, args = passes(spec, sides, ring), (engine, inputs, stats, g)
     for n, p in enumerate(all_passes):
         here = _here(p, inputs)
         if ring:
             here = _ordered(here, state, stats, n, (spec, all_passes))
         else:
             state = state._replace(grads=_local_buffers(state.grads, p, sides))
-        if p.cols.startswith("b"):  # a bank's columns: constants, the rows' sweep alone
-            state = around(functools.partial(_bank_visit, p, args), here, state, plan.axis_name)
+        if is_bank(p.cols):  # a bank's columns: constants, the rows' sweep alone
+            state = around(functools.partial(_bank_visit, p, args), here, state, engine.axis_name)
             continue
-        start = _start(plan, p, inputs) if ring else _local_start(p, state)
+        start = _start(engine, p, inputs) if ring else _local_start(p, state)
         visit = functools.partial(_visit, p, args)
-        home, state = around_back(visit, here, start, state, plan.axis_name)
+        home, state = around_back(visit, here, start, state, engine.axis_name)
         state = _home(state, p, home, ring)
-    return _finish(plan, inputs, state)
+    return _finish(engine, inputs, state)
 
 
 def _visit(p: Pass, args: tuple, here: tuple, col_acc: Any, state: State, own: bool):
     """One block's gradients: every family of pass ``p`` adds its rows' into their
     buffer and the block's into ``col_acc`` (None: the rows' buffer holds the columns)."""
-    plan, inputs, stats, g = args
+    engine, inputs, stats, g = args
     for fam in p.families:
-        tiles = plan.tiles(fam, inputs, here, own)
-        into = (_row_buffer(fam, state, plan.spec.k), col_acc)
+        tiles = engine.tiles(fam, inputs, here, own)
+        into = (_row_buffer(fam, state, engine.spec.k), col_acc)
         buf, col_acc, *more = _blockwise.backward(tiles, stats[fam.group], g, into)
         state = _add(fam, state, buf, more, inputs.bias is not None)
     return col_acc, state
@@ -170,11 +171,11 @@ def _visit(p: Pass, args: tuple, here: tuple, col_acc: Any, state: State, own: b
 
 def _bank_visit(p: Pass, args: tuple, here: tuple, state: State, own: bool) -> State:
     """One block of a bank's: the rows' gradients alone (its columns are constants)."""
-    plan, inputs, stats, g = args
+    engine, inputs, stats, g = args
     for fam in p.families:
-        tiles = plan.tiles(fam, inputs, here, own)  # a bank's: no target
+        tiles = engine.tiles(fam, inputs, here, own)  # a bank's: no target
         sweeps = _sweeps.Sweeps(tiles, stats[fam.group], g)
-        buf, *more = sweeps.query_sweep(_row_buffer(fam, state, plan.spec.k), add=True)
+        buf, *more = sweeps.query_sweep(_row_buffer(fam, state, engine.spec.k), add=True)
         state = _add(fam, state, buf, more, inputs.bias is not None)
     return state
 
@@ -198,13 +199,13 @@ def _plus(total: Any, more: jax.Array) -> jax.Array:
     return more if total is None else total + more
 
 
-def _written_over(plan: Plan, inputs: Inputs, stats: tuple, g: jax.Array) -> tuple:
+def _written_over(engine: Engine, inputs: Inputs, stats: tuple, g: jax.Array) -> tuple:
     """One family on one device: its gradients written over copies of its rows and
-    columns (``_blockwise.backward`` without ``into``), no buffer of zeros."""
-    spec, sides = plan.spec, inputs.sides
+    columns (``blockwise.backward`` without ``into``), no buffer of zeros."""
+    spec, sides = engine.spec, inputs.sides
     (fam,) = spec.families
     p = passes(spec, sides, False)[0]
-    tiles = plan.tiles(fam, inputs, _here(p, inputs), True)
+    tiles = engine.tiles(fam, inputs, _here(p, inputs), True)
     dx, dcols, ds, db, *da = _blockwise.backward(tiles, stats[0], g)
     grads = Sides().put("x", dx).put(p.cols, dcols)
     dbias = None if inputs.bias is None else db
@@ -215,7 +216,7 @@ def _written_over(plan: Plan, inputs: Inputs, stats: tuple, g: jax.Array) -> tup
 def _local_buffers(grads: Sides, p: Pass, sides: Sides) -> Sides:
     """``grads`` with a buffer (zeros) for each side the pass's family adds into."""
     (fam,) = p.families
-    keys = ("y" if fam.rows == "p" else "x",) + (() if p.cols.startswith("b") else (p.cols,))
+    keys = ("y" if fam.rows == "p" else "x",) + (() if is_bank(p.cols) else (p.cols,))
     for key in keys:
         if grads.of(key) is None:
             grads = grads.put(key, _families.zeros_of(sides.of(key), *sides))
@@ -240,10 +241,10 @@ def _ring_buffers(spec: Spec, inputs: Inputs) -> Sides:
     return Sides(x=_tiles.zeros(leaf(x), acc, x, y), y=dy)
 
 
-def _start(plan: Plan, p: Pass, inputs: Inputs) -> jax.Array:
+def _start(engine: Engine, p: Pass, inputs: Inputs) -> jax.Array:
     """The accumulator that travels with a ring's first block: zeros."""
     x, y = inputs.sides.x, inputs.sides.y
-    leaf = plan.spec.score.leaf(inputs.sides.of(p.cols))
+    leaf = engine.spec.score.leaf(inputs.sides.of(p.cols))
     return _tiles.zeros(leaf, inputs.scale.dtype, x, y)
 
 
@@ -256,7 +257,7 @@ def _ordered(here: tuple, state: State, stats: tuple, n: int, spec_passes: tuple
     if spec.groups > 1 and len(all_passes) > 1:
         # With a partition function per direction the first ring needs only its own
         # group's statistic, and would run beside the forward's later rings
-        # (independent collectives, see ``_order``): it waits for every group's.
+        # (independent collectives, see ``order``): it waits for every group's.
         return after_on_cpu(here, stats)
     return here
 
@@ -270,12 +271,12 @@ def _home(state: State, p: Pass, home: Any, ring: bool) -> State:
     return state._replace(grads=state.grads.put(p.cols, home if mine is None else mine + home))
 
 
-def _finish(plan: Plan, inputs: Inputs, state: State) -> tuple:
+def _finish(engine: Engine, inputs: Inputs, state: State) -> tuple:
     """The cotangents from ``state``: on the ring ordered after every ``ppermute`` (the
     scalars' ``psum`` follows) and cast to the inputs' dtypes."""
-    spec, sides = plan.spec, inputs.sides
+    spec, sides = engine.spec, inputs.sides
     grads, dscale, dbias, dalpha = state
-    if plan.axis_name is not None:
+    if engine.axis_name is not None:
         dx, dscale, dbias, dalpha = after((grads.x, dscale, dbias, dalpha), grads.y)
         if len(spec.families) > 1:
             dscale, dalpha = after((dscale, dalpha), dx)
@@ -284,7 +285,7 @@ def _finish(plan: Plan, inputs: Inputs, state: State) -> tuple:
     return _families.cotangents(spec.score, sides, grads), (dscale, dbias), dalpha
 
 
-def call(plan: Plan, inputs: Inputs) -> jax.Array:
+def call(engine: Engine, inputs: Inputs) -> jax.Array:
     """Per-query losses of this device's rows against every device's columns.
 
     ``inputs``: this device's sides and their metadata (locally, in the gather form, the
@@ -295,38 +296,15 @@ def call(plan: Plan, inputs: Inputs) -> jax.Array:
     """
     sides, scale, meta, bias = inputs
     arrays = [v for v in sides if v is not None]
-    if plan.axis_name is not None:
+    if engine.axis_name is not None:
         arrays = [sides.x, sides.y]
     scalars = (scale,) if bias is None else (scale, bias)
-    acc = _blockwise.accumulation_dtype(*(plan.spec.score.leaf(v) for v in arrays), *scalars)
+    acc = accumulation_dtype(*(engine.spec.score.leaf(v) for v in arrays), *scalars)
     scalars = tuple(None if v is None else jnp.asarray(v, acc) for v in (scale, bias))
-    if plan.axis_name is not None:
+    if engine.axis_name is not None:
         (scale, bias), meta = _tiles.varying_like((scalars, meta), *arrays)
     else:
         scale, bias = _tiles.varying_like(scalars, *arrays)
         if meta.rows.x is not None and meta.rows.x.alpha is not None:  # differentiated
             meta = _families.vary_alpha(meta, *arrays)
-    return _vjp.rowwise(plan, Inputs(sides, scale, meta, bias))
-
-
-def one_family(kind: Strategy, x: Any, ys: Any, scalars: tuple, block: int) -> jax.Array:
-    """Per-row losses of one family of logits, rows ``x`` against columns ``ys``, each
-    row ``i``'s target column ``i`` (``_families.one``), blockwise on one device;
-    ``scalars``: ``(scale, bias)``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> from gc_jax.losses._engine.strategies import Sigmoid, Softmax
-      >>> x, ys = jnp.eye(3), jnp.eye(3)[::-1]
-      >>> dense = -jax.nn.log_softmax(2.0 * x @ ys.T)[jnp.arange(3), jnp.arange(3)]
-      >>> bool(jnp.allclose(one_family(Softmax, x, ys, (2.0, 0.0), block=2), dense))
-      True
-      >>> labels = 2 * jnp.eye(3) - 1
-      >>> dense = -jax.nn.log_sigmoid(labels * (5.0 * x @ x.T - 1.0)).sum(1)
-      >>> rows = one_family(Sigmoid, x, x, (5.0, -1.0), block=2)
-      >>> bool(jnp.allclose(rows, dense))
-      True
-    """
-    meta = Metadata(Sides(), Sides(), Targets(first=jnp.arange(len(x))))
-    inputs = Inputs(Sides(x=x, y=ys), scalars[0], meta, scalars[1])
-    return call(Plan(_families.one(kind), block), inputs)
+    return _vjp.rowwise(engine, Inputs(sides, scale, meta, bias))
