@@ -10,10 +10,10 @@ from the gathered rows, no more than its ``d x d`` Gram matrix; see
 ``spread_out_regularizer``.)
 
 :func:`run` evaluates ``F(psum(stats(rows)))`` wherever the rows lie (``_where.run``),
-with gc_jax's convention for distributed losses (``gc_jax.global_loss``): the *global* value on every
-device, and the gradient of this device's share, ``F'(S) . d stats(local rows)``,
-which summed over the devices is the global gradient (under ``shard_map``, ``pmap`` and
-``shard_map(check_vma=False)`` alike).
+with gc_jax's convention for distributed losses (``gc_jax.global_loss``): the *global*
+value on every device, and the gradient of this device's share,
+``F'(S) . d stats(local rows)``, which summed over the devices is the global gradient
+(under ``shard_map``, ``pmap`` and ``shard_map(check_vma=False)`` alike).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from gc_jax.losses._engine import engine as _engine
 from gc_jax.losses._engine import families as _families
 from gc_jax.losses._engine import tiles as _tiles
 from gc_jax.losses._engine.families import Metadata
+from gc_jax.losses._engine.policies import Ring
 from gc_jax.losses._engine.precision import accumulation_dtype
 from gc_jax.losses._engine.sides import Sides
 
@@ -215,7 +216,7 @@ def _ring_rows(spec, sides: tuple, scalars: tuple, where: Where, options: _optio
     if options.bank is not None:  # this device's bank: its blocks travel like y's
         sides, meta = _bank.with_columns(options.bank, sides, meta, offset, options)
     meta = meta._replace(targets=_options.targets(spec, 0, n))  # into its own block
-    engine = _engine.Engine(spec, where.block(max(n, _tiles.count(y))), axis_name)
+    engine = _engine.Engine(spec, where.block(max(n, _tiles.count(y))), Ring(axis_name))
     return _engine.call(engine, _families.Inputs(sides, scalars[0], meta, scalars[1]))
 
 

@@ -3,24 +3,19 @@
 An :class:`Engine` runs a ``families.Spec`` in tiles of ``block`` rows. Its columns come
 in *passes*: a pass visits one side's columns (documents ``y``, queries ``x``, a bank's
 ``by``/``bx``, or the gathered ``cy``/``cx``) with the families that score against
-them. The local form (one device, or the columns gathered; ``axis_name`` None) is the
-ring of one device: each family is its own pass, and its one block is visited once.
-On a ring (``method="ring"``) each side is one pass around the ``axis_name`` devices
-(``ring``'s schedule), each block travelling with its columns' metadata (ids, the
-guide's rows, its first row's global index), so the masks of every tile are the dense
-form's. A visit sweeps every family of the pass, this device's rows (queries, or
-their positive documents) against the block it holds (``blockwise.sweep``).
+them. A visit sweeps every family of the pass, this device's rows (queries, or their
+positive documents) against the block it holds (``blockwise.sweep``); ``ring``'s
+schedule brings the blocks (one device: its own block, once).
 
 The backward makes the same passes (``blockwise.backward(into=...)``): the rows'
 gradients are added into one buffer per side that stays here, the block's into its
-columns' buffer: locally the side's own (the same as the rows' when a family scores a
-side against itself), on the ring an accumulator that travels one step behind its
-block and comes home after the full circle. Locally the buffers are in the inputs'
-dtypes, the first family's written over zeros; a spec of one family writes its
-gradients over copies of its inputs instead (no zeros at all). On the ring they are
-in the accumulation dtype, summing every device's contributions; the passes, each
-pass's last ``ppermute`` and the scalars' ``psum`` are ordered by data dependencies
-(``order.after``).
+columns' buffer. Where the columns come from is the engine's *policy*
+(``policies``): :class:`policies.Local` (one device, or the columns gathered: each family
+its own pass, the buffers each side's own, in the inputs' dtypes) or
+:class:`policies.Ring` (each side one pass around the ``axis_name`` devices, each block
+travelling with its columns' metadata so the masks of every tile are the dense form's,
+the column buffer an accumulator travelling one step behind its block, in the
+accumulation dtype, the passes ordered by data dependencies).
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gc_jax._base import AxisName
 from gc_jax.losses._engine import blockwise as _blockwise
 from gc_jax.losses._engine import families as _families
 from gc_jax.losses._engine import sweeps as _sweeps
@@ -39,51 +33,21 @@ from gc_jax.losses._engine import tiles as _tiles
 from gc_jax.losses._engine import vjp as _vjp
 from gc_jax.losses._engine.families import Family, Inputs, Spec, targets_of
 from gc_jax.losses._engine.masks import Mask
-from gc_jax.losses._engine.order import after, after_on_cpu
+from gc_jax.losses._engine.policies import Backward, Local, Pass, Policy, State
 from gc_jax.losses._engine.precision import accumulation_dtype
 from gc_jax.losses._engine.ring import around, around_back
 from gc_jax.losses._engine.sides import Sides, is_bank
 from gc_jax.losses._engine.tiles import Firsts
 
 
-class Pass(NamedTuple):
-    """The columns one pass visits: the side holding them (``cols``), the side of
-    their metadata (``meta``: ``cols`` but for the gathered ones) and the families
-    that score against them."""
-
-    cols: str
-    meta: str
-    families: tuple[Family, ...]
-
-
-def passes(spec: Spec, sides: Sides, ring: bool) -> tuple[Pass, ...]:
-    """The passes of ``spec``: on a ring one per side, in the order of their rings;
-    locally one per family, in the spec's order (its gathered columns if any)."""
-    if not ring:
-        return tuple(Pass(_families.cols_key(f, sides), f.cols, (f,)) for f in spec.families)
-    order = ("y", "x", "by", "bx")
-    of = lambda side: tuple(f for f in spec.families if f.cols == side)
-    return tuple(Pass(s, s, of(s)) for s in order if of(s))
-
-
-class State(NamedTuple):
-    """What the backward adds into: a gradient buffer per side and the scalars' (None
-    until the first family's; ``dbias`` stays None without a bias)."""
-
-    grads: Sides
-    dscale: Any = None
-    dbias: Any = None
-    dalpha: Any = None
-
-
 class Engine(NamedTuple):
     """The engine (a ``vjp.Differentiable``) of ``spec``'s families in tiles of ``block`` rows,
-    on the ring of ``axis_name`` (None: one device, or the gathered columns); static,
+    its columns where ``policy`` says (``policies.Local`` or ``policies.Ring``); static,
     hashable. Its inputs are ``families.Inputs``."""
 
     spec: Spec
     block: int
-    axis_name: AxisName | None = None
+    policy: Policy = Local()
 
     def forward(self, inputs: Inputs) -> tuple[jax.Array, tuple]:
         return forward(self, inputs)
@@ -112,10 +76,9 @@ def _here(p: Pass, inputs: Inputs) -> tuple:
 
 def forward(engine: Engine, inputs: Inputs) -> tuple[jax.Array, tuple]:
     """Per-query losses and each group's statistic (its log-sum-exp), tile by tile."""
-    spec, (sides, scale, _, _) = engine.spec, inputs
+    spec, (sides, scale, _, _), policy = engine.spec, inputs, engine.policy
     carries = (_blockwise.init(spec.kind, sides.x, sides.y, dtype=scale.dtype),) * spec.groups
-    ring = engine.axis_name is not None
-    for n, p in enumerate(passes(spec, sides, ring)):
+    for n, p in enumerate(policy.passes(spec, sides)):
 
         def visit(here, carries, own, p=p):
             carries = list(carries)
@@ -124,10 +87,8 @@ def forward(engine: Engine, inputs: Inputs) -> tuple[jax.Array, tuple]:
                 carries[fam.group] = _blockwise.sweep(tiles, carries[fam.group])
             return tuple(carries)
 
-        here = _here(p, inputs)
-        if n and ring:  # the second ring starts once the first is done
-            here = after(here, carries)
-        carries = around(visit, here, carries, engine.axis_name)
+        here = policy.start_pass(_here(p, inputs), carries, n)
+        carries = around(visit, here, carries, policy.axis_name)
     losses, stats = zip(*(spec.kind.finish(c) for c in carries), strict=True)
     return _families.mean(losses), stats
 
@@ -135,26 +96,24 @@ def forward(engine: Engine, inputs: Inputs) -> tuple[jax.Array, tuple]:
 def backward(engine: Engine, inputs: Inputs, stats: tuple, g: jax.Array) -> tuple:
     """Cotangents of the sides, of ``(scale, bias)`` (the bias's None without one) and
     of the hardness strength (None without hardness)."""
-    spec, sides = engine.spec, inputs.sides
-    g, ring = g / spec.groups, engine.axis_name is not None
-    if not ring and len(spec.families) == 1 and not is_bank(spec.families[0].cols):
+    spec, sides, policy = engine.spec, inputs.sides, engine.policy
+    g = g / spec.groups
+    if policy.writes_over(spec):
         return _written_over(engine, inputs, stats, g)
-    state = State(_ring_buffers(spec, inputs) if ring else Sides())
-    all_passes, args = passes(spec, sides, ring), (engine, inputs, stats, g)
+    state = State(policy.buffers(spec, inputs))
+    all_passes, args = policy.passes(spec, sides), (engine, inputs, stats, g)
+    now = Backward(spec, sides, stats, all_passes)
     for n, p in enumerate(all_passes):
-        here = _here(p, inputs)
-        if ring:
-            here = _ordered(here, state, stats, n, (spec, all_passes))
-        else:
-            state = state._replace(grads=_local_buffers(state.grads, p, sides))
+        here, state = policy.enter(p, n, _here(p, inputs), state, now)
         if is_bank(p.cols):  # a bank's columns: constants, the rows' sweep alone
-            state = around(functools.partial(_bank_visit, p, args), here, state, engine.axis_name)
+            state = around(functools.partial(_bank_visit, p, args), here, state, policy.axis_name)
             continue
-        start = _start(engine, p, inputs) if ring else _local_start(p, state)
+        start = policy.start(p, inputs, state, spec.score.leaf)
         visit = functools.partial(_visit, p, args)
-        home, state = around_back(visit, here, start, state, engine.axis_name)
-        state = _home(state, p, home, ring)
-    return _finish(engine, inputs, state)
+        home, state = around_back(visit, here, start, state, policy.axis_name)
+        state = policy.home(state, p, home)
+    grads, dscale, dbias, dalpha = policy.finish(spec, sides, state)
+    return _families.cotangents(spec.score, sides, grads), (dscale, dbias), dalpha
 
 
 def _visit(p: Pass, args: tuple, here: tuple, col_acc: Any, state: State, own: bool):
@@ -204,7 +163,7 @@ def _written_over(engine: Engine, inputs: Inputs, stats: tuple, g: jax.Array) ->
     columns (``blockwise.backward`` without ``into``), no buffer of zeros."""
     spec, sides = engine.spec, inputs.sides
     (fam,) = spec.families
-    p = passes(spec, sides, False)[0]
+    p = engine.policy.passes(spec, sides)[0]
     tiles = engine.tiles(fam, inputs, _here(p, inputs), True)
     dx, dcols, ds, db, *da = _blockwise.backward(tiles, stats[0], g)
     grads = Sides().put("x", dx).put(p.cols, dcols)
@@ -213,98 +172,19 @@ def _written_over(engine: Engine, inputs: Inputs, stats: tuple, g: jax.Array) ->
     return _families.cotangents(spec.score, sides, grads), (ds, dbias), dalpha
 
 
-def _local_buffers(grads: Sides, p: Pass, sides: Sides) -> Sides:
-    """``grads`` with a buffer (zeros) for each side the pass's family adds into."""
-    (fam,) = p.families
-    keys = ("y" if fam.rows == "p" else "x",) + (() if is_bank(p.cols) else (p.cols,))
-    for key in keys:
-        if grads.of(key) is None:
-            grads = grads.put(key, _families.zeros_of(sides.of(key), *sides))
-    return grads
-
-
-def _same(p: Pass) -> bool:
-    """Whether the pass's rows and columns are rows of one array."""
-    return ("y" if p.families[0].rows == "p" else "x") == p.cols
-
-
-def _local_start(p: Pass, state: State) -> Any:
-    """The local column buffer: the side's own (None: the rows' holds the columns)."""
-    return None if _same(p) else state.grads.of(p.cols)
-
-
-def _ring_buffers(spec: Spec, inputs: Inputs) -> Sides:
-    """The ring's buffers of the rows' gradients, in the accumulation dtype: ``x``'s,
-    and ``y``'s where a family's rows are the positive documents."""
-    (x, y), acc, leaf = (inputs.sides.x, inputs.sides.y), inputs.scale.dtype, spec.score.leaf
-    dy = _tiles.zeros(leaf(y), acc, x, y) if any(f.rows == "p" for f in spec.families) else None
-    return Sides(x=_tiles.zeros(leaf(x), acc, x, y), y=dy)
-
-
-def _start(engine: Engine, p: Pass, inputs: Inputs) -> jax.Array:
-    """The accumulator that travels with a ring's first block: zeros."""
-    x, y = inputs.sides.x, inputs.sides.y
-    leaf = engine.spec.score.leaf(inputs.sides.of(p.cols))
-    return _tiles.zeros(leaf, inputs.scale.dtype, x, y)
-
-
-def _ordered(here: tuple, state: State, stats: tuple, n: int, spec_passes: tuple) -> tuple:
-    """The ring's block ``here``, ordered: the next ring starts once the one before is
-    done (its gradient home)."""
-    spec, all_passes = spec_passes
-    if n:
-        return after(here, state)
-    if spec.groups > 1 and len(all_passes) > 1:
-        # With a partition function per direction the first ring needs only its own
-        # group's statistic, and would run beside the forward's later rings
-        # (independent collectives, see ``order``): it waits for every group's.
-        return after_on_cpu(here, stats)
-    return here
-
-
-def _home(state: State, p: Pass, home: Any, ring: bool) -> State:
-    """``state`` with the pass's column gradient ``home`` put in its side's buffer
-    (added on the ring, where the rows' gradients are there already)."""
-    if not ring:
-        return state if _same(p) else state._replace(grads=state.grads.put(p.cols, home))
-    mine = state.grads.of(p.cols)
-    return state._replace(grads=state.grads.put(p.cols, home if mine is None else mine + home))
-
-
-def _finish(engine: Engine, inputs: Inputs, state: State) -> tuple:
-    """The cotangents from ``state``: on the ring ordered after every ``ppermute`` (the
-    scalars' ``psum`` follows) and cast to the inputs' dtypes."""
-    spec, sides = engine.spec, inputs.sides
-    grads, dscale, dbias, dalpha = state
-    if engine.axis_name is not None:
-        dx, dscale, dbias, dalpha = after((grads.x, dscale, dbias, dalpha), grads.y)
-        if len(spec.families) > 1:
-            dscale, dalpha = after((dscale, dalpha), dx)
-        leaf = spec.score.leaf
-        grads = Sides(x=dx.astype(leaf(sides.x).dtype), y=grads.y.astype(leaf(sides.y).dtype))
-    return _families.cotangents(spec.score, sides, grads), (dscale, dbias), dalpha
-
-
 def call(engine: Engine, inputs: Inputs) -> jax.Array:
     """Per-query losses of this device's rows against every device's columns.
 
     ``inputs``: this device's sides and their metadata (locally, in the gather form, the
     gathered columns ``cx``/``cy`` too; on the ring, its bank's, whose blocks travel
     like ``y``'s), the targets indexing the columns as the metadata does. The scalars
-    are cast to the accumulation dtype, varying like the rows; on the ring the metadata
-    too (its blocks travel).
+    are cast to the accumulation dtype, varying like the rows (the policy's
+    ``vary``: on the ring the metadata too, its blocks travel).
     """
     sides, scale, meta, bias = inputs
-    arrays = [v for v in sides if v is not None]
-    if engine.axis_name is not None:
-        arrays = [sides.x, sides.y]
+    arrays = engine.policy.arrays(sides)
     scalars = (scale,) if bias is None else (scale, bias)
     acc = accumulation_dtype(*(engine.spec.score.leaf(v) for v in arrays), *scalars)
     scalars = tuple(None if v is None else jnp.asarray(v, acc) for v in (scale, bias))
-    if engine.axis_name is not None:
-        (scale, bias), meta = _tiles.varying_like((scalars, meta), *arrays)
-    else:
-        scale, bias = _tiles.varying_like(scalars, *arrays)
-        if meta.rows.x is not None and meta.rows.x.alpha is not None:  # differentiated
-            meta = _families.vary_alpha(meta, *arrays)
+    (scale, bias), meta = engine.policy.vary(scalars, meta, arrays)
     return _vjp.rowwise(engine, Inputs(sides, scale, meta, bias))

@@ -231,10 +231,10 @@ def zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     return _tiles.varying_like(jnp.full_like(v, zero), *others)
 
 
-def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:
-    """``meta`` with the hardness strength cast to vary like ``arrays`` (its cotangent,
-    summed over this device's rows, is then summed over devices as ``scale``'s is)."""
-    alpha = _tiles.varying_like(meta.rows.x.alpha, *arrays)
+def with_alpha(meta: Metadata, alpha: Any) -> Metadata:
+    """``meta`` with the hardness strength ``alpha`` in every row's metadata (``alpha``
+    varying like the rows: its cotangent, summed over this device's rows, is then
+    summed over devices as ``scale``'s is)."""
     rows = jax.tree.map(lambda m: m._replace(alpha=alpha), meta.rows, is_leaf=_is_meta)
     return meta._replace(rows=rows)
 
