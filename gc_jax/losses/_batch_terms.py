@@ -9,7 +9,7 @@ spread-out term on a global batch of at most ``d`` rows sums over its pairs dire
 from the gathered rows, no more than its ``d x d`` Gram matrix; see
 ``spread_out_regularizer``.)
 
-:func:`run` evaluates ``F(psum(stats(rows)))`` wherever the rows lie (``_where.run``),
+:func:`run` evaluates ``F(psum(stats(rows)))`` wherever the rows lie (``_devices.run``),
 with gc_jax's convention for distributed losses (``gc_jax.global_loss``): the *global*
 value on every device, and the gradient of this device's share,
 ``F'(S) . d stats(local rows)``, which summed over the devices is the global gradient
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName, PyTree
-from gc_jax.losses import _where
+from gc_jax.losses import _devices
 
 
 def _global_of(fn: Callable[[PyTree], jax.Array], stats: PyTree, axis_name: AxisName) -> jax.Array:
@@ -73,7 +73,7 @@ def run(
     cannot be made.
     """
     values = tuple(rows.values())
-    layout = _where.layout(rows, axis_name)
+    layout = _devices.locate(rows, axis_name)
     check_rows(rows, min_rows, layout.shards if layout.kind == "manual" else 1)
 
     def body(axes, values):
@@ -81,7 +81,7 @@ def run(
             return fn(stats(None, *values))
         return _global_of(fn, stats(axes, *values), axes)
 
-    return _where.run(body, values, (), layout, shard=True)
+    return _devices.run(body, values, (), layout, shard=True)
 
 
 def check_rows(rows: dict[str, jax.Array], min_rows: int, shards: int) -> None:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _bank, _options, _where
+from gc_jax.losses import _bank, _devices, _options
 from gc_jax.losses._engine import engine as _engine
 from gc_jax.losses._engine import families as _families
 from gc_jax.losses._engine import tiles as _tiles
@@ -253,7 +253,7 @@ def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:
 @_layout.types_mesh
 def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, per_row=None):
     """Runs ``local(x, y, *scalars, per_row, axis_name=, ring=)`` where the rows lie
-    (``_where.run``).
+    (``_devices.run``).
 
     ``x`` and ``y`` are arrays, or pytrees of arrays with the same rows (e.g. token
     vectors and their mask: ``maxsim_loss``), split alike. ``sides``: the inputs each
@@ -264,7 +264,7 @@ def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, 
     ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
     """
     per_row = _options.PerRow() if per_row is None else per_row
-    layout = _where.layout({"x": x, "y": y, **per_row._asdict()}, axis_name)
+    layout = _devices.locate({"x": x, "y": y, **per_row._asdict()}, axis_name)
     here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
     gathered = layout.shards * here  # what every device would hold in the gather form
     ring = use_ring(method, layout, gathered)
@@ -277,4 +277,4 @@ def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, 
         )
 
     out = P(layout.axes) if reduction == "none" else P()
-    return _where.run(body, (x, y, per_row), tuple(scalars), layout, shard=ring, out=out)
+    return _devices.run(body, (x, y, per_row), tuple(scalars), layout, shard=ring, out=out)

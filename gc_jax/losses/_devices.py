@@ -1,7 +1,7 @@
 """Where the rows lie: a per-device body run on one device, per device, or under ``jit``.
 
 The one dispatcher of the losses (``_common.run``) and of the batch-wide terms
-(``_batch_terms.run``). :func:`layout` checks the inputs split alike and reads how their
+(``_batch_terms.run``). :func:`locate` checks the inputs split alike and reads how their
 rows lie (``_layout.rows_layout``); :func:`run` calls a body there: on one device or
 inside ``shard_map``/``pmap`` with the rows as they are, under ``jit`` over a mesh
 either on the whole arrays (the compiler gathers) or inside a ``shard_map`` over the
@@ -21,7 +21,7 @@ from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName
 
 
-def layout(named: dict[str, Any], axis_name: AxisName | None) -> _layout.Layout:
+def locate(named: dict[str, Any], axis_name: AxisName | None) -> _layout.Layout:
     """How the rows of ``named`` (the row inputs by name, for the errors; None entries
     skipped) lie, after checking they are split alike (``_distributed.check_split_alike``)."""
     named = {k: v for k, v in named.items() if v is not None}
@@ -33,7 +33,7 @@ def run(
     body: Callable[..., Any],
     rows: Any,
     scalars: tuple,
-    where: _layout.Layout,
+    layout: _layout.Layout,
     *,
     shard: bool,
     out: P | None = None,
@@ -45,21 +45,21 @@ def run(
         (None: one device, or the whole arrays under ``jit`` over a mesh).
       rows: a pytree of arrays split by their rows (None leaves allowed).
       scalars: replicated values.
-      where: the rows' layout (:func:`layout`).
+      layout: the rows' layout (:func:`locate`).
       shard: under ``jit`` over a mesh, run ``body`` per device inside a
         ``shard_map`` (else on the whole arrays).
       out: the ``shard_map``'s ``out_specs`` (None: ``P()``, replicated).
     """
-    if where.kind in ("single", "manual"):
-        return body(where.axes, rows, *scalars)
+    if layout.kind in ("single", "manual"):
+        return body(layout.axes, rows, *scalars)
     if not shard:  # gathered whole by the compiler, from the sharding in the types
         return body(None, rows, *scalars)
-    spec = lambda v: P(where.axes, *[None] * (v.ndim - 1))
-    per_device = lambda rows, *scalars: body(where.axes, rows, *scalars)
+    spec = lambda v: P(layout.axes, *[None] * (v.ndim - 1))
+    per_device = lambda rows, *scalars: body(layout.axes, rows, *scalars)
     in_specs = (jax.tree.map(spec, rows), *[P()] * len(scalars))
     out = P() if out is None else out
-    f = jax.shard_map(per_device, mesh=where.mesh, in_specs=in_specs, out_specs=out)
-    rows = jax.tree.map(lambda v: where.place(v, spec(v)), rows)
+    f = jax.shard_map(per_device, mesh=layout.mesh, in_specs=in_specs, out_specs=out)
+    rows = jax.tree.map(lambda v: layout.place(v, spec(v)), rows)
     return f(rows, *(_scalar(v) for v in scalars))
 
 
