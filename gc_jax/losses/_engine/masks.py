@@ -19,7 +19,7 @@ and for a bank's columns (``_bank``) ``live`` (whether the entry is filled yet).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +73,12 @@ class Rule(NamedTuple):
         query's for ``hardness``, and those not ``live`` are dropped.
     """
 
-    exclude: str | None = None
-    protect: str | None = None
+    exclude: Literal["self", "owner", "negatives"] | None = None
+    protect: Literal["self", "first"] | None = None
     docs: bool = False
     k: int = 1
-    guide: str | None = None
-    hardness: str | None = None
+    guide: Literal["absolute", "relative"] | None = None
+    hardness: Literal["hard_negatives", "in_batch_negatives", "all_negatives"] | None = None
     bank: bool = False
 
     def for_bank(self) -> Rule:
