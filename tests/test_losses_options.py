@@ -346,3 +346,20 @@ def test_a_forward_only_chunked_guide_keeps_no_activations():
     chunked_bytes, whole_bytes = step(chunked), step(guide)
     assert whole_bytes >= hidden  # the check sees a whole-batch forward
     assert chunked_bytes < hidden / 4, (chunked_bytes / 2**20, whole_bytes / 2**20)
+
+
+def test_per_row_options_travel_typed_and_keep_the_bank_count():
+    """The options' per-row arrays (``_options.PerRow``) round-trip through the options,
+    and mapping them (a gather, a reshard) leaves the bank's count, a scalar, alone."""
+    from gc_jax.losses import _options
+
+    x, y = jnp.ones((4, 3)), jnp.ones((8, 3))
+    bank = gc_jax.losses.init_bank(2, x, y)._replace(count=jnp.asarray(1))
+    ids = jnp.arange(4)[:, None]
+    options = _options.Options(query_ids=ids, bank=bank)
+    rows = options.per_row()
+    assert rows.query_ids is ids and rows.bank is bank and rows.doc_ids is None
+    assert options.with_rows(rows) == options
+    mapped = options.map_arrays(lambda v: jnp.concatenate([v, v]))
+    assert mapped.query_ids.shape == (8, 1) and mapped.bank.queries.shape[0] == 8
+    assert mapped.bank.count is bank.count

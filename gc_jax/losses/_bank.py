@@ -22,10 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gc_jax import _distributed
-from gc_jax._base import AxisName
-from gc_jax.losses._engine.masks import Meta
-from gc_jax.losses._engine.tiles import Firsts, Repeated
+from gc_jax.losses import _options
+from gc_jax.losses._engine.families import Metadata
+from gc_jax.losses._engine.sides import Sides
 
 
 class Bank(NamedTuple):
@@ -243,39 +242,20 @@ def columns(bank: Bank) -> tuple[jax.Array, jax.Array]:
     return bank.queries.reshape(-1, d), bank.docs.reshape(-1, d)
 
 
-def metadata(bank: Bank, offset: Any, count: Any, ids: tuple[bool, bool]) -> tuple[Meta, Meta]:
-    """What the bank's columns' masks read: offsets, which slots are filled, ids.
+def with_columns(bank: Bank, sides: Sides, meta: Metadata, offset: Any, options: Any):
+    """``(sides, meta)`` with the bank's columns as the sides ``bx`` and ``by``, and their
+    metadata (``_options.id_columns``): offsets, which slots are filled, the ids the loss
+    masks by.
 
     ``offset``: the global index of the first query row of ``bank`` (0 gathered);
-    ``ids``: whether the loss masks by query ids, by document ids. Returns the
-    :class:`_masks.Meta` of its queries' and documents' columns.
+    ``options``: the loss's ``_options.Options`` (whether it masks by query ids, by
+    document ids).
     """
+    bx, by = columns(bank)
     n, steps, _ = bank.queries.shape
     k = bank.k
-    live = jnp.broadcast_to(jnp.arange(steps) < count, (n, steps))
-    col_x = Meta(offset=offset * steps, live=live.reshape(-1))
-    col_y = Meta(offset=offset * steps * k, live=jnp.repeat(live.reshape(-1), k))
-    if ids[1]:
-        pid = bank.doc_ids.reshape(n * steps * k, -1)
-        col_x, col_y = col_x._replace(pid=Firsts(pid, k)), col_y._replace(pid=pid)
-    if ids[0]:
-        qid = bank.query_ids.reshape(n * steps, -1)
-        col_x = col_x._replace(qid=qid)
-        col_y = col_y._replace(qid=Repeated(qid, k) if k > 1 else qid)
-    return col_x, col_y
-
-
-def with_columns(bank: Bank, sides: Any, meta: Any, offset: Any, count: Any, ids: tuple):
-    """``(sides, meta)`` (``_masks.Sides``, ``_masks.Metadata``) with the bank's columns
-    and their metadata as the sides ``bx`` and ``by`` (arguments as :func:`metadata`)."""
-    bx, by = columns(bank)
-    mx, my = metadata(bank, offset, count, ids)
+    live = jnp.broadcast_to(jnp.arange(steps) < bank.count, (n, steps)).reshape(-1)
+    pid = None if options.doc_ids is None else bank.doc_ids.reshape(n * steps * k, -1)
+    qid = None if options.query_ids is None else bank.query_ids.reshape(n * steps, -1)
+    mx, my = _options.id_columns(qid, pid, offset * steps, k, live)
     return sides._replace(bx=bx, by=by), meta._replace(cols=meta.cols._replace(bx=mx, by=my))
-
-
-def gathered(bank: Bank, axis_name: AxisName | None) -> Bank:
-    """Every device's bank rows (the gather form), or ``bank`` as it is without an axis."""
-    if axis_name is None:
-        return bank
-    gather = lambda v: _distributed.all_gather(v, axis_name)
-    return jax.tree.map(gather, bank._replace(count=None))._replace(count=bank.count)

@@ -9,11 +9,11 @@ spread-out term on a global batch of at most ``d`` rows sums over its pairs dire
 from the gathered rows, no more than its ``d x d`` Gram matrix; see
 ``spread_out_regularizer``.)
 
-:func:`run` evaluates ``F(psum(stats(rows)))`` wherever the rows lie, with gc_jax's
-convention for distributed losses (``gc_jax.global_loss``): the *global* value on every
-device, and the gradient of this device's share, ``F'(S) . d stats(local rows)``,
-which summed over the devices is the global gradient (under ``shard_map``, ``pmap`` and
-``shard_map(check_vma=False)`` alike).
+:func:`run` evaluates ``F(psum(stats(rows)))`` wherever the rows lie (``_devices.run``),
+with gc_jax's convention for distributed losses (``gc_jax.global_loss``): the *global*
+value on every device, and the gradient of this device's share,
+``F'(S) . d stats(local rows)``, which summed over the devices is the global gradient
+(under ``shard_map``, ``pmap`` and ``shard_map(check_vma=False)`` alike).
 """
 
 from __future__ import annotations
@@ -23,15 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout
 from gc_jax._base import AxisName, PyTree
-
-
-def accumulation_dtype(*arrays: jax.Array) -> Any:
-    """At least float32 (float64 stays float64)."""
-    return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
+from gc_jax.losses import _devices
 
 
 def _global_of(fn: Callable[[PyTree], jax.Array], stats: PyTree, axis_name: AxisName) -> jax.Array:
@@ -77,23 +72,16 @@ def run(
     under ``pmap`` and ``shard_map(check_vma=False)`` values carry no such type and it
     cannot be made.
     """
-    _distributed.check_split_alike(rows, _distributed.typed_axes(axis_name))
     values = tuple(rows.values())
-    layout = _layout.rows_layout(values[0], axis_name)
+    layout = _devices.locate(rows, axis_name)
     check_rows(rows, min_rows, layout.shards if layout.kind == "manual" else 1)
-    if layout.kind == "single":
-        return fn(stats(None, *values))
-    if layout.kind == "manual":
-        return _global_of(fn, stats(layout.axes, *values), layout.axes)
 
-    def per_device(*local):
-        return _global_of(fn, stats(layout.axes, *local), layout.axes)
+    def body(axes, values):
+        if axes is None:
+            return fn(stats(None, *values))
+        return _global_of(fn, stats(axes, *values), axes)
 
-    spec = lambda v: P(layout.axes, *[None] * (v.ndim - 1))
-    f = jax.shard_map(
-        per_device, mesh=layout.mesh, in_specs=tuple(spec(v) for v in values), out_specs=P()
-    )
-    return f(*(layout.place(v, spec(v)) for v in values))
+    return _devices.run(body, values, (), layout, shard=True)
 
 
 def check_rows(rows: dict[str, jax.Array], min_rows: int, shards: int) -> None:

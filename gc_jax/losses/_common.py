@@ -1,7 +1,7 @@
 """What every loss shares: argument checks, the reduction, and where the rows are scored.
 
 :func:`run` reads how the rows lie (one device, ``shard_map``/``pmap``, or ``jit`` over
-a mesh) and calls a loss's per-device body there; :func:`rows`, the one dispatcher, is
+a mesh) and calls a loss's per-device body there; :func:`dispatch`, the one dispatcher, is
 that body's per-row losses for every loss (a spec of its families of logits) in the
 dense, blockwise, gather or ring form; :func:`reduce` turns this device's per-row
 losses into the global loss.
@@ -18,12 +18,14 @@ from jax.sharding import PartitionSpec as P
 
 from gc_jax import _distributed, _layout, _validation
 from gc_jax._base import AxisName
-from gc_jax.losses import _bank, _options
-from gc_jax.losses._engine import blockwise as _blockwise
+from gc_jax.losses import _bank, _devices, _options
+from gc_jax.losses._engine import engine as _engine
 from gc_jax.losses._engine import families as _families
-from gc_jax.losses._engine import plan as _plan
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine.masks import Metadata, Sides
+from gc_jax.losses._engine.families import Metadata
+from gc_jax.losses._engine.policies import Ring
+from gc_jax.losses._engine.precision import accumulation_dtype
+from gc_jax.losses._engine.sides import Sides
 
 REDUCTIONS = ("mean", "sum", "none")
 METHODS = ("auto", "ring", "gather")
@@ -142,7 +144,7 @@ def reduce(per_row: jax.Array, global_rows: int, reduction: str, axis_name) -> j
     return _distributed.global_loss(share, axis_name)
 
 
-def rows(spec, x, y, scalars, where: Where, options=None) -> jax.Array:
+def dispatch(spec, x, y, scalars, where: Where, options=None) -> jax.Array:
     """Per-row losses of this device's ``x`` against every device's ``y``: the dense,
     blockwise, gather or ring form of every loss.
 
@@ -155,25 +157,22 @@ def rows(spec, x, y, scalars, where: Where, options=None) -> jax.Array:
       scalars: ``(scale, bias)``: the logits' multiplier, and what is added to every
         logit (None: nothing).
       where: where the rows are scored (:class:`Where`).
-      options: the checked ``_options.Options`` whose ids, guide and bank (its count
-        set) the families' rules read, split like ``x`` and ``y``; None: none.
+      options: the checked ``_options.Options`` whose ids, guide and bank the families'
+        rules read (their arrays split like ``x`` and ``y``); None: none.
 
     Returns:
       This device's per-row losses.
     """
     options = _options.Options() if options is None else options
-    count = None if options.bank is None else options.bank.count
-    if options.bank is not None:  # the count: a scalar, not one of the bank's rows
-        options = options._replace(bank=options.bank._replace(count=None))
     if where.ring:
-        return _ring_rows(spec, (x, y), scalars, where, (options, count))
-    return _gathered_rows(spec, (x, y), scalars, where, (options, count))
+        return _ring_rows(spec, (x, y), scalars, where, options)
+    return _gathered_rows(spec, (x, y), scalars, where, options)
 
 
-def _gathered_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tuple):
+def _gathered_rows(spec, sides: tuple, scalars: tuple, where: Where, options: _options.Options):
     """The dense and blockwise forms: every device's columns gathered (or whole, under
     ``jit`` over a mesh); the metadata numbers the columns from every device's first."""
-    (x, y), (options, count), axis_name = sides, options, where.axis_name
+    (x, y), axis_name = sides, where.axis_name
     n = _tiles.count(x)
     if axis_name is None:  # one device, or jit over a mesh: every array whole
         options = options.map_arrays(lambda v: _layout.reshard_typed(v, P()))
@@ -188,11 +187,10 @@ def _gathered_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tu
     meta = _metadata(spec, options, (offset, 0), cols)
     meta = meta._replace(targets=_options.targets(spec, offset, n))
     if options.bank is not None:  # every device's bank (gathered or whole): from row 0
-        ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, count, ids)
+        sides, meta = _bank.with_columns(cols.bank, sides, meta, 0, options)
     if where.block_size is not None:
-        plan = _plan.Plan(spec, where.block_size)
-        return _plan.call(plan, _families.Inputs(sides, scalars[0], meta, scalars[1]))
+        engine = _engine.Engine(spec, where.block_size)
+        return _engine.call(engine, _families.Inputs(sides, scalars[0], meta, scalars[1]))
     return _families.dense(spec, sides, _dense_scalars(spec, sides, scalars), meta)
 
 
@@ -207,20 +205,19 @@ def _gathered(spec, x: Any, y: Any, gather) -> Sides:
     return Sides(x=x, y=gather(y), cx=cx)
 
 
-def _ring_rows(spec, sides: tuple, scalars: tuple, where: Where, options: tuple):
+def _ring_rows(spec, sides: tuple, scalars: tuple, where: Where, options: _options.Options):
     """The ring form: this device's sides and metadata, the columns' travelling with
     their blocks; the targets index this device's own block."""
-    (x, y), (options, count), axis_name = sides, options, where.axis_name
+    (x, y), axis_name = sides, where.axis_name
     n = _tiles.count(x)
     offset = _distributed.axis_index_offset(n, axis_name)
     meta = _metadata(spec, options, (offset, offset))
     sides = Sides(x=x, y=y)
     if options.bank is not None:  # this device's bank: its blocks travel like y's
-        ids = (options.query_ids is not None, options.doc_ids is not None)
-        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, count, ids)
+        sides, meta = _bank.with_columns(options.bank, sides, meta, offset, options)
     meta = meta._replace(targets=_options.targets(spec, 0, n))  # into its own block
-    plan = _plan.Plan(spec, where.block(max(n, _tiles.count(y))), axis_name)
-    return _plan.call(plan, _families.Inputs(sides, scalars[0], meta, scalars[1]))
+    engine = _engine.Engine(spec, where.block(max(n, _tiles.count(y))), Ring(axis_name))
+    return _engine.call(engine, _families.Inputs(sides, scalars[0], meta, scalars[1]))
 
 
 def _metadata(spec, options, offsets: tuple, cols=None) -> Metadata:
@@ -242,7 +239,7 @@ def _dense_scalars(spec, sides: Sides, scalars: tuple) -> tuple:
     """``(scale, bias)`` in the accumulation dtype of the rows and the scalars."""
     scale, bias = scalars
     leaves = [spec.score.leaf(v) for v in (sides.x, sides.y)]
-    acc = _blockwise.accumulation_dtype(*leaves, *(v for v in scalars if v is not None))
+    acc = accumulation_dtype(*leaves, *(v for v in scalars if v is not None))
     return jnp.asarray(scale, acc), None if bias is None else jnp.asarray(bias, acc)
 
 
@@ -254,53 +251,30 @@ def use_ring(method: str, layout: _layout.Layout, gathered: int) -> bool:
 
 
 @_layout.types_mesh
-def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, extras=None):
-    """Runs ``local(x, y, *scalars, axis_name=, ring=)`` where the rows lie.
+def run(local: Callable, x, y, scalars, *, reduction, method, axis_name, sides, per_row=None):
+    """Runs ``local(x, y, *scalars, per_row, axis_name=, ring=)`` where the rows lie
+    (``_devices.run``).
 
     ``x`` and ``y`` are arrays, or pytrees of arrays with the same rows (e.g. token
-    vectors and their mask: ``maxsim_loss``), split alike.
-
-    ``sides``: the inputs each device would gather in the gather form (their size
-    decides ``method="auto"``). ``extras``: a dict of more arrays split like the rows
-    (ids, a guide's representations; None entries allowed), passed on as
-    ``local(..., extras=)`` when given. Under ``jit`` over a mesh (explicit axes read
-    from the types, an ``axis_name`` naming a mesh axis outside ``shard_map``, or the
-    core's ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh
-    axes.
+    vectors and their mask: ``maxsim_loss``), split alike. ``sides``: the inputs each
+    device would gather in the gather form (their size decides ``method="auto"``).
+    ``per_row``: the options' arrays split like the rows (``_options.PerRow``; None:
+    none). Under ``jit`` over a mesh (explicit axes read from the types, an
+    ``axis_name`` naming a mesh axis outside ``shard_map``, or the core's
+    ``batch_axis``) the ring runs inside a ``shard_map`` over the batch's mesh axes.
     """
-    named = {"x": x, "y": y, **{k: v for k, v in (extras or {}).items() if v is not None}}
-    _distributed.check_split_alike(named, _distributed.typed_axes(axis_name))
-    layout = _layout.rows_layout(jax.tree.leaves(x)[0], axis_name)
+    per_row = _options.PerRow() if per_row is None else per_row
+    layout = _devices.locate({"x": x, "y": y, **per_row._asdict()}, axis_name)
     here = sum(v.size * v.dtype.itemsize for v in sides) // layout.array_shards
     gathered = layout.shards * here  # what every device would hold in the gather form
     ring = use_ring(method, layout, gathered)
-    kw = {} if extras is None else {"extras": extras}
-    if layout.kind in ("single", "manual"):
-        return local(x, y, *scalars, axis_name=layout.axes, ring=ring and layout.shards > 1, **kw)
-    if not ring:  # gathered whole by the compiler, from the sharding in the types
-        return local(x, y, *scalars, axis_name=None, ring=False, **kw)
-    rows = P(layout.axes, None)
+    ring = ring and (layout.shards > 1 or layout.kind != "manual")
+
+    def body(axes, rows, *scalars):
+        x, y, per_row = rows
+        return local(
+            x, y, *scalars, per_row=per_row, axis_name=axes, ring=ring and axes is not None
+        )
+
     out = P(layout.axes) if reduction == "none" else P()
-    extra_specs = jax.tree.map(lambda _: P(layout.axes), extras)
-
-    def per_device(x, y, extras, *scalars):
-        kw = {} if extras is None else {"extras": extras}
-        return local(x, y, *scalars, axis_name=layout.axes, ring=True, **kw)
-
-    f = jax.shard_map(
-        per_device,
-        mesh=layout.mesh,
-        in_specs=(rows, rows, extra_specs, *[P()] * len(scalars)),
-        out_specs=out,
-    )
-    scalars = [_scalar(v) for v in scalars]
-    place = lambda side: jax.tree.map(lambda v: layout.place(v, rows), side)
-    extras = jax.tree.map(lambda v: layout.place(v, P(layout.axes)), extras)
-    return f(place(x), place(y), extras, *scalars)
-
-
-def _scalar(v: Any) -> jax.Array:
-    """``v`` as an array for ``shard_map``: a Python float stays weakly typed (it takes the
-    rows' dtype, as outside the ring, also under x64), an integer becomes a float."""
-    v = jnp.asarray(v)
-    return v if jnp.issubdtype(v.dtype, jnp.floating) else v.astype(jnp.float32)
+    return _devices.run(body, (x, y, per_row), tuple(scalars), layout, shard=ring, out=out)

@@ -240,21 +240,20 @@ def with_options(
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     spec = _options.spec(options, k)
 
-    def local_options(x, y, temperature, margin, alpha, *count, extras, axis_name, ring):
-        opts = options._replace(margin=margin, hardness_strength=alpha, **extras)
+    def local_options(x, y, temperature, margin, alpha, *count, per_row, axis_name, ring):
+        opts = options._replace(margin=margin, hardness_strength=alpha).with_rows(per_row)
         if count:  # the bank's count travels as a scalar
             opts = opts._replace(bank=opts.bank._replace(count=count[0]))
         scale, where = scale_of(temperature), _common.Where(block_size, axis_name, ring)
-        per_row = _common.rows(spec, x, y, (scale, None), where, opts)
+        losses = _common.dispatch(spec, x, y, (scale, None), where, opts)
         rows = len(x) * _common.num_devices(axis_name)
-        return _common.reduce(per_row, rows, reduction, axis_name)
+        return _common.reduce(losses, rows, reduction, axis_name)
 
-    extras = {"query_ids": options.query_ids, "doc_ids": options.doc_ids, "guide": options.guide}
     sides = (y, x) if any(f.cols == "x" for f in spec.families) else (y,)
     sides += () if options.guide is None else options.guide
     scalars = (temperature, options.margin, jnp.asarray(options.hardness_strength, float))
     if options.bank is not None:
-        extras["bank"] = options.bank
         sides += _bank.columns(options.bank)
         scalars += (jax.lax.stop_gradient(count),)
-    return _common.run(local_options, x, y, scalars, sides=sides, extras=extras, **kw)
+    per_row = options.per_row()
+    return _common.run(local_options, x, y, scalars, sides=sides, per_row=per_row, **kw)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from gc_jax._base import AxisName
 from gc_jax.losses import _batch_terms
+from gc_jax.losses._engine.precision import accumulation_dtype
 
 METRICS = ("squared_l2", "mse", "l2", "cosine")
 COSINE_EPS = 1e-8  # torch.nn.functional.cosine_similarity's default
@@ -92,7 +93,7 @@ def embedding_distillation(
             f"and {teacher.shape}; project the teacher's embeddings to the student's width "
             "(or truncate a Matryoshka teacher) before the loss."
         )
-    acc = _batch_terms.accumulation_dtype(student, teacher)
+    acc = accumulation_dtype(student, teacher)
 
     def stats(_, s, t):
         s, t = s.astype(acc), jax.lax.stop_gradient(t).astype(acc)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from gc_jax._base import AxisName
 from gc_jax.losses import _common, _docs, _options
+from gc_jax.losses._engine.precision import accumulation_dtype
 from gc_jax.losses._engine.scores import MaxSim, Side
 from gc_jax.losses._engine.strategies import Softmax
 
@@ -98,14 +99,14 @@ def maxsim_loss(
     x = Side(q, _mask(q_mask, q, "q_mask", "q"))
     y = Side(d, _mask(d_mask, d, "d_mask", "d"))
 
-    def local(x, y, temperature, *, axis_name, ring):
-        acc = jnp.promote_types(jnp.result_type(x.tokens, y.tokens, temperature), jnp.float32)
+    def local(x, y, temperature, *, per_row, axis_name, ring):
+        acc = accumulation_dtype(x.tokens, y.tokens, temperature)
         scale = jnp.asarray(1.0 / temperature, acc)
         spec = _options.one_spec(Softmax, _options.Options(), k, MaxSim)
         where = _common.Where(block_size, axis_name, ring)
-        per_row = _common.rows(spec, x, y, (scale, None), where)
+        losses = _common.dispatch(spec, x, y, (scale, None), where)
         rows = len(x.tokens) * _common.num_devices(axis_name)
-        return _common.reduce(per_row, rows, reduction, axis_name)
+        return _common.reduce(losses, rows, reduction, axis_name)
 
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
     return _common.run(local, x, y, (temperature,), sides=tuple(y), **kw)

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gc_jax import _narrow
-from gc_jax.losses._engine.families import Family, Spec, one
-from gc_jax.losses._engine.masks import Meta, Metadata, Rule, Sides, Targets
+from gc_jax.losses._engine.families import Family, Metadata, Spec, Targets, one
+from gc_jax.losses._engine.masks import Meta, Rule
 from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.sides import Sides, banked
 from gc_jax.losses._engine.strategies import Strategy
 from gc_jax.losses._engine.tiles import Firsts, Repeated
 
@@ -40,18 +41,40 @@ class Options(NamedTuple):
     margin: Any = 0.0
     hardness_mode: str | None = None
     hardness_strength: Any = 0.0
-    bank: Any = None  # a ``_bank.Bank`` (its count None: it travels as a scalar)
+    bank: Any = None  # a ``_bank.Bank``
+
+    def per_row(self) -> PerRow:
+        """The per-row arrays of these options (what travels with the rows)."""
+        return PerRow(self.bank, self.doc_ids, self.guide, self.query_ids)
+
+    def with_rows(self, rows: PerRow) -> Options:
+        """These options with their per-row arrays ``rows`` (e.g. one device's)."""
+        return self._replace(**rows._asdict())
 
     def map_arrays(self, f) -> Options:
         """These options with ``f`` applied to every per-row array (ids, the guide's, the
-        bank's)."""
+        bank's rows; not the bank's count, a scalar)."""
         apply = lambda v: None if v is None else jax.tree.map(f, v)
+        bank = self.bank
+        if bank is not None:
+            bank = apply(bank._replace(count=None))._replace(count=bank.count)
         return self._replace(
             query_ids=apply(self.query_ids),
             doc_ids=apply(self.doc_ids),
             guide=apply(self.guide),
-            bank=apply(self.bank),
+            bank=bank,
         )
+
+
+class PerRow(NamedTuple):
+    """The options' arrays split like the rows (None where absent), passed with the rows
+    to a loss's per-device body. Alphabetical: a pytree's leaves in the order of the
+    dicts it replaced, so the compiled programs did not change."""
+
+    bank: Any = None  # a ``_bank.Bank``, its count None (it travels as a scalar)
+    doc_ids: jax.Array | None = None
+    guide: tuple[jax.Array, jax.Array] | None = None
+    query_ids: jax.Array | None = None
 
 
 def check_directions(directions: Any, partition_mode: Any) -> tuple[str, ...]:
@@ -220,7 +243,7 @@ def spec(options: Options, k: int) -> Spec:
     families = tuple(make[d] for d in options.directions)
     if options.bank is not None:  # each direction's columns, and their bank's earlier ones
         bank = tuple(
-            f._replace(cols="b" + f.cols, rule=f.rule.for_bank(), target=None) for f in families
+            f._replace(cols=banked(f.cols), rule=f.rule.for_bank(), target=None) for f in families
         )
         families += bank
     return Spec(families, 1 if joint else len(options.directions), k)
@@ -263,18 +286,30 @@ def metadata(
     if guide is not None:
         row = row._replace(t=thresholds(guide, k), margin=options.margin)
         rows = Sides(x=row._replace(g=guide[0]), p=row._replace(g=Firsts(guide[1], k)))
-    col_x, col_y = Meta(offset=col_offset), Meta(offset=col_offset * k)
-    if cols.doc_ids is not None:
-        col_x = col_x._replace(pid=Firsts(cols.doc_ids, k))
-        col_y = col_y._replace(pid=cols.doc_ids)
-    if cols.query_ids is not None:
-        col_x = col_x._replace(qid=cols.query_ids)
-        col_y = col_y._replace(qid=Repeated(cols.query_ids, k) if k > 1 else cols.query_ids)
+    col_x, col_y = id_columns(cols.query_ids, cols.doc_ids, col_offset, k)
     if cols.guide is not None:
         col_x, col_y = col_x._replace(g=cols.guide[0]), col_y._replace(g=cols.guide[1])
     scored = {f.cols for f in spec.families}
     used = lambda side, meta: meta if side in scored else None
     return Metadata(cols=Sides(x=used("x", col_x), y=used("y", col_y)), rows=rows)
+
+
+def id_columns(
+    query_ids: Any, doc_ids: Any, offset: Any, k: int, live: Any = None
+) -> tuple[Meta, Meta]:
+    """The columns' metadata from their ids: the queries' (side ``x``) and the documents'
+    (``y``, ``k`` per query), the first query's global index ``offset``; ``live``: which
+    queries' columns are filled (a bank's; None: all). The one id-column builder: this
+    step's columns (:func:`metadata`) and a bank's (``_bank.with_columns``)."""
+    col_x = Meta(offset=offset, live=live)
+    col_y = Meta(offset=offset * k, live=None if live is None else jnp.repeat(live, k))
+    if doc_ids is not None:
+        col_x = col_x._replace(pid=Firsts(doc_ids, k))
+        col_y = col_y._replace(pid=doc_ids)
+    if query_ids is not None:
+        col_x = col_x._replace(qid=query_ids)
+        col_y = col_y._replace(qid=Repeated(query_ids, k) if k > 1 else query_ids)
+    return col_x, col_y
 
 
 def one_spec(kind: Strategy, options: Options, k: int = 1, score: Score = Dot) -> Spec:

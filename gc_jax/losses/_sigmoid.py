@@ -80,21 +80,19 @@ def sigmoid_loss(
     _common.check_pair(x, y, multiple=False)
     _options.real_scalar(logit_scale, "logit_scale")
     _options.real_scalar(logit_bias, "logit_bias")
-    ids = {
-        "qid": _options.check_ids(query_ids, len(x), "query_ids", "x"),
-        "pid": _options.check_ids(doc_ids, len(y), "doc_ids", "y"),
-    }
+    per_row = _options.PerRow(
+        doc_ids=_options.check_ids(doc_ids, len(y), "doc_ids", "y"),
+        query_ids=_options.check_ids(query_ids, len(x), "query_ids", "x"),
+    )
 
-    def local(x, y, logit_scale, logit_bias, *, axis_name, ring, extras=None):
+    def local(x, y, logit_scale, logit_bias, *, per_row, axis_name, ring):
         where = _common.Where(block_size, axis_name, ring)
         scalars = (jnp.exp(logit_scale), logit_bias)
-        options = _options.Options(query_ids=(extras or {}).get("qid"),
-                                   doc_ids=(extras or {}).get("pid"))  # fmt: skip
+        options = _options.Options().with_rows(per_row)
         spec = _options.one_spec(_strategies.Sigmoid, options)
-        per_row = _common.rows(spec, x, y, scalars, where, options)
+        losses = _common.dispatch(spec, x, y, scalars, where, options)
         num_rows = len(x) * _common.num_devices(axis_name)
-        return _common.reduce(per_row, num_rows, reduction, axis_name)
+        return _common.reduce(losses, num_rows, reduction, axis_name)
 
     kw = {"reduction": reduction, "method": method, "axis_name": axis_name}
-    extras = ids if any(v is not None for v in ids.values()) else None
-    return _common.run(local, x, y, (logit_scale, logit_bias), sides=(y,), extras=extras, **kw)
+    return _common.run(local, x, y, (logit_scale, logit_bias), sides=(y,), per_row=per_row, **kw)

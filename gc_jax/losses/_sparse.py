@@ -17,6 +17,7 @@ from jax.typing import DTypeLike
 
 from gc_jax._base import AxisName
 from gc_jax.losses import _batch_terms
+from gc_jax.losses._engine.precision import accumulation_dtype
 
 Schedule = Callable[[jax.Array], jax.Array]
 KINDS = ("flops", "l1")
@@ -87,7 +88,7 @@ def splade_pool(
         )
     _check_choice(pooling_strategy, "pooling_strategy", POOLING)
     _check_choice(activation_function, "activation_function", ACTIVATIONS)
-    wide = logits.astype(_batch_terms.accumulation_dtype(logits))
+    wide = logits.astype(accumulation_dtype(logits))
     weights = jnp.log1p(jax.nn.relu(wide))
     if activation_function == "log1p_relu":
         weights = jnp.log1p(weights)
@@ -180,7 +181,7 @@ def _flops(w, threshold, axis_name, names=("w", "threshold")):
     """:func:`flops_regularizer`; ``names``: the arguments' names, for the errors."""
     w = _batch_terms.rows_of(w, names[0])
     threshold = _check_threshold(threshold, names[1])
-    acc = _batch_terms.accumulation_dtype(w)
+    acc = accumulation_dtype(w)
 
     def stats(_, w):
         kept = jnp.abs(w)
@@ -220,7 +221,7 @@ def l1_regularizer(w: jax.Array, *, axis_name: AxisName | None = None) -> jax.Ar
 
 def _l1(w, axis_name, name="w"):
     w = _batch_terms.rows_of(w, name)
-    acc = _batch_terms.accumulation_dtype(w)
+    acc = accumulation_dtype(w)
     stats = lambda _, w: (jnp.sum(jnp.abs(w), dtype=acc), jnp.asarray(len(w), acc))
     return _batch_terms.run(stats, lambda s: s[0] / s[1], {name: w}, axis_name)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from gc_jax._base import AxisName
 from gc_jax.losses import _batch_terms
+from gc_jax.losses._engine.precision import accumulation_dtype
 
 VARIANTS = ("second_moment", "gor")
 
@@ -104,7 +105,7 @@ def spread_out_regularizer(
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
     weights = _check_weights(variant, mean_weight, second_moment_weight)
     x = _batch_terms.rows_of(x, "x")
-    acc = _batch_terms.accumulation_dtype(x)
+    acc = accumulation_dtype(x)
     dim = x.shape[1]
 
     def stats(axes, x):

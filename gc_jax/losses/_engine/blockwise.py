@@ -22,7 +22,7 @@ blocks. The second sweep writes ``dys`` over ``ys`` (each block is read just bef
 is overwritten), so ``ys``'s buffer is reused when nothing else needs it. Gathering
 ``ys`` across devices happens outside, so its transpose (a reduce-scatter) is left
 to JAX; the ring form instead runs :func:`sweep` and the backward once per
-block of ``ys`` that reaches the device. The engine (``_plan``) builds the tiles of
+block of ``ys`` that reaches the device. The engine (``engine``) builds the tiles of
 each family of a loss.
 
 *Precision*: tiles, per-row statistics and per-block gradients are computed in the
@@ -34,18 +34,18 @@ gradients of ``x`` and ``ys`` come back in their own dtypes.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax.losses._engine import sweeps as _sweeps
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine.masks import Mask
 from gc_jax.losses._engine.order import zero_after
-from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.scores import Score
 from gc_jax.losses._engine.strategies import Rows, Strategy
 from gc_jax.losses._engine.tiles import (
+    Tiles,
     blocks,
     count,
     first,
@@ -55,34 +55,6 @@ from gc_jax.losses._engine.tiles import (
     sizes,
     write,
 )
-
-Scalar = jax.Array
-
-
-class Tiles(NamedTuple):
-    """One row-wise loss's tiles: rows ``x`` scored against columns ``ys``.
-
-    Attributes:
-      kind: the strategy (``_strategies``), static.
-      block: rows per tile on either side, static.
-      x: the rows (of ``score``: an array, a ``_tiles`` view, or MaxSim's tokens).
-      ys: the columns.
-      targets: the column of each row's target, ``[rows]``, or None (no target here).
-      scale: the logits' multiplier, in the accumulation dtype.
-      bias: added to every logit, likewise.
-      mask: the pairs kept (``_masks.Mask``), or None: every pair.
-      score: how a tile is scored (``_scores``), static.
-    """
-
-    kind: Strategy
-    block: int
-    x: Any
-    ys: Any
-    targets: jax.Array | None
-    scale: Scalar
-    bias: Scalar
-    mask: Mask | None = None
-    score: Score = Dot
 
 
 def sweep(tiles: Tiles, carry: Rows) -> Rows:
@@ -174,8 +146,3 @@ def cotangent(score: Score, rows: Any, leaf: jax.Array) -> Any:
     """The cotangent of ``rows`` whose differentiated leaf's is ``leaf`` (None elsewhere)."""
     rest = jax.tree.map(lambda _: None, score.rest(rows))
     return score.join(leaf, rest)
-
-
-def accumulation_dtype(*values: Any) -> jnp.dtype:
-    """The dtype losses are computed in: the values' common dtype, at least float32."""
-    return jnp.promote_types(jnp.result_type(*values), jnp.float32)

@@ -2,7 +2,7 @@
 
 A *family* scores one side's rows against one side's columns: queries (``"x"``) or
 each query's positive document (``"p"``, rows ``0, k, 2k, ...`` of ``y``, read in
-place) against queries (``"x"``) or documents (``"y"``), with a :class:`_masks.Rule`
+place) against queries (``"x"``) or documents (``"y"``), with a :class:`masks.Rule`
 saying which pairs it keeps. Row ``i`` of every family belongs to query ``i``.
 Families of one *group* share one log-sum-exp; each group has its own target, and a
 query's loss is the mean over groups of ``lse_g - target_g``. A :class:`Spec` carries
@@ -11,27 +11,49 @@ the score (``Dot``, or ``MaxSim`` over token vectors); SigLIP, MaxSim and InfoNC
 ids alone are specs of one family (:func:`one`), whose logits may also take a bias.
 :func:`dense` is every loss's dense form.
 
-Two forms, the same values: :func:`dense` (whole logit matrices) and ``_plan.Plan``
+Two forms, the same values: :func:`dense` (whole logit matrices) and ``engine.Engine``
 (tiles, a custom VJP, on one device or a ring of devices). The helpers here (the
 engine's :class:`Inputs`, the rows and columns of a family, the cotangents of the
-metadata) serve both.
+metadata) serve both. A loss's :class:`Metadata` lives here, beside the :class:`Inputs`
+that carry it: it is what a spec's families read (their rules' ``masks.Meta`` per side,
+their :class:`Targets` by :attr:`Family.target`), where ``masks`` keeps what one tile's
+mask reads.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax.losses._engine import blockwise as _blockwise
 from gc_jax.losses._engine import tiles as _tiles
-from gc_jax.losses._engine.masks import Meta, Metadata, Rule, Sides
+from gc_jax.losses._engine.masks import Meta, Rule
 from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.sides import Side, Sides, gathered, is_bank
 from gc_jax.losses._engine.strategies import Sigmoid, Softmax, Strategy
 from gc_jax.losses._engine.tiles import Firsts
 
 Scalar = jax.Array
+Target = Literal["first", "self"]
+
+
+class Targets(NamedTuple):
+    """Each row's target column, by :attr:`Family.target`: ``first`` (column
+    ``i * k``, the query's positive document) and ``self`` (column ``i``)."""
+
+    first: Any = None
+    self: Any = None
+
+
+class Metadata(NamedTuple):
+    """A loss's metadata: its rows' and columns' :class:`Meta` by side (:class:`Sides`),
+    and its families' :class:`Targets`."""
+
+    cols: Sides
+    rows: Sides
+    targets: Targets = Targets()
 
 
 class Family(NamedTuple):
@@ -47,11 +69,11 @@ class Family(NamedTuple):
         row's positive), or None: no target in this family.
     """
 
-    rows: str
-    cols: str  # or ``"bx"``/``"by"``: a bank's earlier queries/documents (no gradient)
+    rows: Literal["x", "p"]
+    cols: Side  # ``"x"``, ``"y"``, or a bank's ``"bx"``/``"by"`` (no gradient)
     rule: Rule | None
     group: int = 0
-    target: str | None = None
+    target: Target | None = None
 
 
 class Spec(NamedTuple):
@@ -61,9 +83,9 @@ class Spec(NamedTuple):
       families: the families of logits.
       groups: how many log-sum-exps (softmax) a query's loss averages.
       k: documents per query.
-      kind: the strategy (``_strategies``): :class:`Softmax` (InfoNCE, CLIP, GIST) or
+      kind: the strategy (``strategies``): :class:`Softmax` (InfoNCE, CLIP, GIST) or
         ``Sigmoid`` (SigLIP: one family, its sum of pairwise terms).
-      score: how a tile is scored (``_scores``): ``Dot`` or ``MaxSim``.
+      score: how a tile is scored (``scores``): ``Dot`` or ``MaxSim``.
     """
 
     families: tuple[Family, ...]
@@ -86,8 +108,10 @@ def rows_of(fam: Family, sides: Sides, k: int) -> Any:
 
 def cols_key(fam: Family, sides: Sides) -> str:
     """The side holding the family's columns: the gathered ones if any."""
-    gathered = "c" + fam.cols
-    return gathered if sides.of(gathered) is not None else fam.cols
+    if is_bank(fam.cols):
+        return fam.cols
+    cols = gathered(fam.cols)
+    return cols if sides.of(cols) is not None else fam.cols
 
 
 def targets_of(fam: Family, meta: Metadata) -> jax.Array | None:
@@ -185,7 +209,7 @@ def add_alpha(dalpha: Any, more: list) -> Any:
     return more[0] if dalpha is None else dalpha + more[0]
 
 
-def alpha_cotangent(meta: dict, dalpha: Any) -> Any:
+def alpha_cotangent(meta: Metadata, dalpha: Any) -> Metadata | None:
     """The cotangent of ``meta``: None, but the hardness strength's ``dalpha``.
 
     The strength sits in both rows' metadata (queries' and positives'); only the
@@ -207,10 +231,10 @@ def zeros_of(v: jax.Array, *others: Any) -> jax.Array:
     return _tiles.varying_like(jnp.full_like(v, zero), *others)
 
 
-def vary_alpha(meta: Metadata, *arrays: Any) -> Metadata:
-    """``meta`` with the hardness strength cast to vary like ``arrays`` (its cotangent,
-    summed over this device's rows, is then summed over devices as ``scale``'s is)."""
-    alpha = _tiles.varying_like(meta.rows.x.alpha, *arrays)
+def with_alpha(meta: Metadata, alpha: Any) -> Metadata:
+    """``meta`` with the hardness strength ``alpha`` in every row's metadata (``alpha``
+    varying like the rows: its cotangent, summed over this device's rows, is then
+    summed over devices as ``scale``'s is)."""
     rows = jax.tree.map(lambda m: m._replace(alpha=alpha), meta.rows, is_leaf=_is_meta)
     return meta._replace(rows=rows)
 

@@ -19,7 +19,7 @@ and for a bank's columns (``_bank``) ``live`` (whether the entry is filled yet).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,31 +39,6 @@ class Meta(NamedTuple):
     pid: Any = None
     qid: Any = None
     t: Any = None
-
-
-class Sides(NamedTuple):
-    """Something per side of a loss (rows, metadata, gradients); None where absent.
-
-    ``x``: the queries; ``y``: the documents (``k`` per query); ``p``: each query's
-    positive document (rows only: ``Firsts`` of ``y``); ``cx``, ``cy``: the columns
-    gathered from every device (the gather form); ``bx``, ``by``: a bank's earlier
-    queries and documents (``_bank``). Alphabetical, as :class:`Meta`."""
-
-    bx: Any = None
-    by: Any = None
-    cx: Any = None
-    cy: Any = None
-    p: Any = None
-    x: Any = None
-    y: Any = None
-
-    def of(self, side: str) -> Any:
-        """The entry of ``side`` (a field name; None for a name with no field)."""
-        return getattr(self, side, None)
-
-    def put(self, side: str, value: Any) -> Sides:
-        """These sides with ``side``'s entry replaced."""
-        return self._replace(**{side: value})
 
 
 def _equal(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -98,12 +73,12 @@ class Rule(NamedTuple):
         query's for ``hardness``, and those not ``live`` are dropped.
     """
 
-    exclude: str | None = None
-    protect: str | None = None
+    exclude: Literal["self", "owner", "negatives"] | None = None
+    protect: Literal["self", "first"] | None = None
     docs: bool = False
     k: int = 1
-    guide: str | None = None
-    hardness: str | None = None
+    guide: Literal["absolute", "relative"] | None = None
+    hardness: Literal["hard_negatives", "in_batch_negatives", "all_negatives"] | None = None
     bank: bool = False
 
     def for_bank(self) -> Rule:
@@ -171,20 +146,3 @@ class Mask(NamedTuple):
     rule: Rule
     rows: Meta
     cols: Meta
-
-
-class Targets(NamedTuple):
-    """Each row's target column, by ``_families.Family.target``: ``first`` (column
-    ``i * k``, the query's positive document) and ``self`` (column ``i``)."""
-
-    first: Any = None
-    self: Any = None
-
-
-class Metadata(NamedTuple):
-    """A loss's metadata: its rows' and columns' :class:`Meta` by side (:class:`Sides`),
-    and its families' :class:`Targets`."""
-
-    cols: Sides
-    rows: Sides
-    targets: Targets = Targets()

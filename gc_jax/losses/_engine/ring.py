@@ -1,8 +1,8 @@
 """The ring across devices: the one schedule every ring loss runs.
 
 :func:`around` (forward) and :func:`around_back` (backward) are the schedule;
-``_plan`` visits each block with a spec's families. Every score
-(``_scores``) travels: the dot product's blocks as arrays, MaxSim's as tokens and masks.
+``engine`` visits each block with a spec's families. Every score
+(``scores``) travels: the dot product's blocks as arrays, MaxSim's as tokens and masks.
 
 Nothing batch-sized is gathered.
 
@@ -11,13 +11,13 @@ blocks of ``ys`` travel around the ring of the ``axis_name`` devices with
 ``lax.ppermute``: at step ``s`` device ``p`` holds device ``p - s``'s block, and before
 it computes on that block it sends it on to ``p + 1`` (double buffering: the transfer
 of the next block overlaps the computation on this one). Each step is one
-:func:`_blockwise.sweep` of this device's queries against the block it holds,
+:func:`blockwise.sweep` of this device's queries against the block it holds,
 so the per-row statistics (the online log-sum-exp of the softmax losses) are updated
 exactly as in the single-device blockwise loss, tile by tile.
 
 *Custom VJP*: the backward runs on the ring too, ring-attention style. Each step
 recomputes the tiles of this device's queries against the block it holds
-(``_blockwise.backward``): ``dx`` and the scalars' gradients stay here, and the
+(``blockwise.backward``): ``dx`` and the scalars' gradients stay here, and the
 block's ``dys`` is added to an accumulator that travels with the block, one step
 behind it (the accumulator of the block held at step ``s - 1`` is sent at the start of
 step ``s``, so that transfer also overlaps a step's computation). After the full circle
@@ -52,7 +52,7 @@ def shift(v: Any, axis_name: AxisName) -> Any:
 
 def send(tree: Any, axis_name: AxisName) -> Any:
     """``tree`` of device ``p - 1``, on every device ``p``: one ``ppermute`` per leaf,
-    each after the one before (independent collectives may deadlock XLA:CPU, ``_order``)."""
+    each after the one before (independent collectives may deadlock XLA:CPU, ``order``)."""
     leaves, treedef = jax.tree.flatten(tree)
     sent = []
     for leaf in leaves:

@@ -1,6 +1,6 @@
 """Scores: what one tile of a blockwise loss computes, and how its gradient flows back.
 
-The tile loops (``_blockwise.sweep``, ``_sweeps.Sweeps``) and the ring (``_plan``) are
+The tile loops (``blockwise.sweep``, ``sweeps.Sweeps``) and the ring (``engine``) are
 written once; a score says how a block of query rows meets a block of key rows. It
 fills the five static methods of :class:`Score`: :class:`Dot` (one vector per row,
 ``x @ y.T``) and :class:`MaxSim` (ColBERT's late interaction over token vectors).
@@ -46,7 +46,7 @@ class Score(Protocol):
 
     @staticmethod
     def leaf(rows: Any) -> Any:
-        """The differentiated leaf of ``rows`` (an array, or a ``_tiles`` view)."""
+        """The differentiated leaf of ``rows`` (an array, or a ``tiles`` view)."""
 
     @staticmethod
     def rest(rows: Any) -> Any:

@@ -1,6 +1,6 @@
 """Strategies: how a row-wise contrastive loss forms each row's loss from tiles of logits.
 
-The tile loops of ``_blockwise`` (one device) and ``_plan`` (across devices) are
+The tile loops of ``blockwise`` (one device) and ``engine`` (across devices) are
 shared by every row-wise loss; a loss only says, tile by tile, how its running
 per-row statistics are updated, how they end as the rows' losses, and what each
 logit's gradient is. :class:`Softmax` (InfoNCE, CLIP) and :class:`Sigmoid` (SigLIP)
@@ -22,7 +22,7 @@ class Strategy(Protocol):
 
     A new row-wise loss fills these four static methods (see :class:`Softmax` and
     :class:`Sigmoid`); the loops, the masking of overlapping blocks, the custom VJP
-    and the ring across devices (``_plan``) are shared. Every array argument is
+    and the ring across devices (``engine``) are shared. Every array argument is
     in the accumulation dtype; ``z`` is a ``[rows, cols]`` tile of logits, ``valid``
     marks the columns the tile owns (a last, overlapping block's columns shared with
     the block before are not), ``pos`` marks each row's target (at most one column,

@@ -3,8 +3,8 @@
 The sweep over query blocks forms each block's gradient (and the scalars') from every
 key block; the sweep over key blocks forms each key block's gradient from every query
 block, so no batch-sized gradient is carried across blocks. Each either writes its
-gradients (over copies of the inputs: ``_blockwise.backward``) or adds them into
-buffers that several families share (``_plan``).
+gradients (over copies of the inputs: ``blockwise.backward``) or adds them into
+buffers that several families share (``engine``).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from gc_jax.losses._engine.tiles import (
 
 
 class Sweeps:
-    """The two sweeps of ``_blockwise.backward`` over one loss's tiles
-    (``_blockwise.Tiles``), given the forward's per-row statistic ``stat`` and the
+    """The two sweeps of ``blockwise.backward`` over one loss's tiles
+    (``tiles.Tiles``), given the forward's per-row statistic ``stat`` and the
     per-row cotangents ``g``.
 
-    ``score`` (``_scores``) scores a tile and sends its ``dz`` back to the rows: the
+    ``score`` (``scores``) scores a tile and sends its ``dz`` back to the rows: the
     gradients are those of ``score.leaf(x)`` and ``score.leaf(ys)``, the buffers
     shaped like them.
     """

@@ -1,7 +1,9 @@
-"""The pieces the tile loops share: reading and writing blocks of rows, loops, logits.
+"""A tile problem (:class:`Tiles`) and the pieces its loops share: blocks, loops, logits.
 
-Rows are read and written a block at a time (``dynamic_slice``), so the loops touch
-one block of each batch-sized array per step. :class:`Firsts` reads rows ``0, k, 2k,
+A :class:`Tiles` is one family's rows against one block of columns, as the engine
+(``engine.Engine``) builds it and ``blockwise`` and ``sweeps`` loop over it. Rows are
+read and written a block at a time (``dynamic_slice``), so the loops touch one block of
+each batch-sized array per step. :class:`Firsts` reads rows ``0, k, 2k,
 ...`` of an array (the positive documents among ``k`` rows per query) in place,
 without a strided copy. Narrow floats are moved on their bits on XLA:CPU
 (``gc_jax._narrow``).
@@ -10,14 +12,43 @@ without a strided copy. Narrow floats are moved on their bits on XLA:CPU
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gc_jax import _distributed, _narrow
+from gc_jax.losses._engine.masks import Mask
+from gc_jax.losses._engine.scores import Dot, Score
+from gc_jax.losses._engine.strategies import Strategy
 
 Scalar = jax.Array
+
+
+class Tiles(NamedTuple):
+    """One row-wise loss's tiles: rows ``x`` scored against columns ``ys``.
+
+    Attributes:
+      kind: the strategy (``strategies``), static.
+      block: rows per tile on either side, static.
+      x: the rows (of ``score``: an array, a view of this module, or MaxSim's tokens).
+      ys: the columns.
+      targets: the column of each row's target, ``[rows]``, or None (no target here).
+      scale: the logits' multiplier, in the accumulation dtype.
+      bias: added to every logit, likewise.
+      mask: the pairs kept (``masks.Mask``), or None: every pair.
+      score: how a tile is scored (``scores``), static.
+    """
+
+    kind: Strategy
+    block: int
+    x: Any
+    ys: Any
+    targets: jax.Array | None
+    scale: Scalar
+    bias: Scalar
+    mask: Mask | None = None
+    score: Score = Dot
 
 
 @jax.tree_util.register_pytree_node_class
@@ -201,12 +232,12 @@ def logits(
     scalars: tuple[Scalar, Scalar],
     pairs: tuple[jax.Array | None, Any] = (None, None),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One tile's logits, valid pairs and targets, from its raw scores (``_scores``).
+    """One tile's logits, valid pairs and targets, from its raw scores (``scores``).
 
     ``cols``: ``(start, own)``: ``raw`` scores rows against key rows ``start ...``, and
     columns before ``own`` belong to the previous block and are masked out (``valid``
     false, never a target). ``scalars``: ``(scale, bias)``. ``pairs``: ``(keep,
-    boost)`` of a mask rule (``_masks.Rule``), each None when it has none: ``keep``
+    boost)`` of a mask rule (``masks.Rule``), each None when it has none: ``keep``
     (``[rows, cols]``) drops more pairs and never drops a target; ``boost``: ``(pairs,
     alpha)``, pairs whose logits gain ``alpha * raw``, a bias through which ``raw`` is
     not differentiated (``dz`` reaches ``raw`` through ``scale`` alone). ``targets``

@@ -7,9 +7,9 @@ row, e.g. each row's log-sum-exp), and the inputs' cotangents from that statisti
 (``backward``, which recomputes every tile). The forward saves the inputs and the
 statistic only: nothing per tile, nothing ``rows x rows``.
 
-The engine is ``_plan.Plan``: a ``_families.Spec`` (one family of logits or several,
-e.g. GTE's directions, a guide, a bank; its strategy and its score) on one device, over
-the gathered columns, or on a ring of devices.
+The one engine is ``engine.Engine`` (a :class:`Differentiable`): a ``families.Spec``
+(one family of logits or several, e.g. GTE's directions, a guide, a bank; its strategy
+and its score) on one device, over the gathered columns, or on a ring of devices.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import jax
 
 
-class Engine(Protocol):
+class Differentiable(Protocol):
     """How a tiled loss computes its per-row losses and differentiates them (static)."""
 
     def forward(self, inputs: Any) -> tuple[jax.Array, Any]:
@@ -32,11 +32,11 @@ class Engine(Protocol):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def rowwise(engine: Engine, inputs: Any) -> jax.Array:
+def rowwise(engine: Differentiable, inputs: Any) -> jax.Array:
     """The per-row losses ``engine.forward(inputs)[0]``, differentiated by ``engine``.
 
     Args:
-      engine: a static, hashable :class:`Engine`.
+      engine: a static, hashable :class:`Differentiable`.
       inputs: its inputs, a pytree of arrays (integer ones get no cotangent).
 
     Returns:
@@ -57,12 +57,12 @@ def rowwise(engine: Engine, inputs: Any) -> jax.Array:
     return engine.forward(inputs)[0]
 
 
-def _forward(engine: Engine, inputs: Any) -> tuple[jax.Array, tuple]:
+def _forward(engine: Differentiable, inputs: Any) -> tuple[jax.Array, tuple]:
     loss, stat = engine.forward(inputs)
     return loss, (inputs, stat)
 
 
-def _backward(engine: Engine, res: tuple, g: jax.Array) -> tuple:
+def _backward(engine: Differentiable, res: tuple, g: jax.Array) -> tuple:
     inputs, stat = res
     return (engine.backward(inputs, stat, g),)
 
