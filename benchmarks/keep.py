@@ -38,7 +38,6 @@ import jax.numpy as jnp
 
 import gc_jax
 from benchmarks import common
-from gc_jax._chunk_size import compiled_bytes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +72,11 @@ def abstract(params, batch: int, cfg: common.ModelConfig) -> tuple:
 
 
 def budget_of(make, params, cfg, batch: int) -> int:
-    return compiled_bytes(jax.jit(make()).lower(*abstract(params, batch, cfg)).compile())
+    """XLA:CPU's compiled bytes of the step: arguments + temporaries + outputs - aliased
+    (what ``gc_jax.largest_chunk_size`` and ``gc_jax.plan_step`` compare with a budget)."""
+    m = jax.jit(make()).lower(*abstract(params, batch, cfg)).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)  # fmt: skip
 
 
 def max_diff(a: Any, b: Any) -> float:
@@ -86,7 +89,11 @@ def one_batch(args, cfg, made, params, budget: int, multiple: int) -> dict[str, 
     rows, plain_rows = multiple * args.plain_batch, args.plain_batch
     shapes = abstract(params, rows, cfg)
     chunks = [c for c in args.chunks if c <= rows]
-    today = gc_jax.largest_chunk_size(made["cached"], shapes, chunks, budget_bytes=budget)
+    try:
+        today = gc_jax.largest_chunk_size(made["cached"], shapes, chunks, budget_bytes=budget)
+    except ValueError as e:  # no chunk size fits: say what the smallest needs
+        print(f"{multiple}x = {rows:,} rows: {e}")
+        return {"multiple": multiple, "rows": rows, "fits": False, "error": str(e)}
     plan = gc_jax.plan_step(made["cached"], shapes, chunks, budget_bytes=budget, by="time",
                             reps=args.plan_reps)  # fmt: skip
     q, d = common.make_batch(cfg, rows, jax.random.key(1))
@@ -133,6 +140,9 @@ def report(results: list[dict], budget: int, args) -> None:
     print("|---:|---|---|---|---|---|---|---|")
     fmt = lambda r: f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
     for r in results:
+        if not r.get("fits", True):
+            print(f"| {r['multiple']}x = {r['rows']:,} | no chunk size fits | | | | | | |")
+            continue
         p = r["plan"]
         print(
             f"| {r['multiple']}x = {r['rows']:,} | {r['today_chunk']}, {r['today_bytes']:,} "
@@ -156,7 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     above = budget_of(made["plain"], params, cfg, args.plain_batch + 64)
     print(f"plain step: {budget:,} bytes at {args.plain_batch} rows, {above:,} at "
           f"{args.plain_batch + 64} ({'does not fit' if above > budget else 'FITS'})")  # fmt: skip
-    results = [one_batch(args, cfg, made, params, budget, m) for m in args.multiples]
+    results = []
+    for m in args.multiples:  # each batch's row as soon as it is measured
+        results.append(one_batch(args, cfg, made, params, budget, m))
+        report(results[-1:], budget, args)
+        if args.json:
+            common.write_json(args.json, {"budget": budget, "results": results})
     report(results, budget, args)
     if args.json:
         common.write_json(args.json, {"budget": budget, "machine": common.machine(),

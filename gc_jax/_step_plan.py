@@ -44,7 +44,8 @@ class StepPlan(NamedTuple):
       bytes: its compiled bytes per device.
       seconds: its median measured step time, or None (not run: ``by="flops"``).
       flops: the step's FLOPs from the compiler's cost analysis, or None (counted
-        with ``by="flops"`` only).
+        with ``by="flops"`` only, where the step with every chunk kept compiles; else
+        plans are ranked by the share of chunks they re-encode).
       reencoded: of those, the FLOPs of the forwards pass 2 re-encodes (None as
         ``flops``).
       chunks: the chunks of the batch at ``chunk_size`` (``keep`` of them kept).
@@ -188,7 +189,8 @@ def plan_step(
     pass 2) is found by bisection over the compiled bytes, from ``keep=0`` (every
     chunk re-encoded, the least memory) to every chunk. Of the plans that fit, the
     fastest is returned: by measured step time where the devices are this process's
-    (``by="time"``, interleaved rounds; arguments given as shapes run as zeros), by the
+    (``by="time"``, interleaved rounds, the default's ``keep=1`` at the largest chunk
+    size timed beside them; arguments given as shapes run as zeros), by the
     compiler's FLOPs (``cost_analysis()``) where they are not, e.g. a TPU topology's
     compile-only devices (``by="flops"``; ties: the larger chunk). Each candidate
     costs about ``2 log2(keep) + 2`` compiles; each is logged at INFO on ``"gc_jax"``.
@@ -252,16 +254,30 @@ def plan_step(
         )
     seconds = [None] * len(fits)
     if by == "time":
+        fits += _default_plan(fits, seen)
         seconds = _times([f.compiled.compiled for f in fits], args, kwargs, reps)
         best = min(range(len(fits)), key=lambda i: seconds[i])
-    else:  # the fewest FLOPs; of equals, the larger chunk
+    elif all(f.flops is not None for f in fits):  # the fewest FLOPs; of equals, the larger chunk
         best = min(range(len(fits)), key=lambda i: (fits[i].flops, -_rows(fits[i].size)))
+    else:  # FLOPs unread (every chunk kept does not compile): the fewest rows re-encoded
+        share = lambda f: (f.chunks - f.keep) / f.chunks
+        best = min(range(len(fits)), key=lambda i: (share(fits[i]), -_rows(fits[i].size)))
     timed = {(f.size, f.keep, f.policy): t for f, t in zip(fits, seconds, strict=True)}
     shown = lambda p: None if p is _NO_POLICY else p
     table = tuple((s, k, shown(p), c.bytes, timed.get((s, k, p))) for (s, k, p), c in seen.items())
     f = fits[best]
     return StepPlan(f.size, f.keep, shown(f.policy), f.compiled.bytes, seconds[best], f.flops,
                     f.reencoded, f.chunks, table)  # fmt: skip
+
+
+def _default_plan(fits: list, seen: dict) -> list:
+    """The default's plan (``keep=1``) at the largest chunk size that fits, where it is
+    not a plan already: timed too, so that the plan is never slower than it, as measured."""
+    largest = max(fits, key=lambda f: _rows(f.size))
+    compiled = seen.get((largest.size, 1, largest.policy))
+    if largest.keep <= 1 or compiled is None:
+        return []
+    return [largest._replace(keep=1, compiled=compiled, flops=None, reencoded=None)]
 
 
 def _rows(size: Any) -> int:
@@ -329,7 +345,7 @@ def _with_flops(fit: _Fit, compiled: dict, measure) -> _Fit:
         if keep >= 0 and keep not in compiled:
             compiled[keep] = measure(keep)
     every = compiled[n].flops
-    if every is None or n < 2:
+    if every is None or compiled[n - 1].flops is None or n < 2:
         return fit._replace(flops=every, reencoded=0.0 if every is not None else None)
     forward = compiled[n - 1].flops - every
     if forward <= 0 and n > 2:

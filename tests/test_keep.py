@@ -263,3 +263,12 @@ def test_grad_cache():
     for keep in (0, 4, ALL):
         got = gc_jax.GradCache([mq, md], CHUNKS, contrastive_loss, keep=keep)(q, d)
         chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_the_guide_plans_half_the_chunks_kept():
+    """docs/chunk_size.md, "Keep what fits": the plan keeps half the chunks in 24 MiB."""
+    from test_guide import run
+
+    ns = run("chunk_size.md", "setup", "largest chunk size", "keep what fits")
+    plan = ns["plan"]
+    assert plan.bytes <= 24 * 2**20 and plan.keep / plan.chunks >= 0.5, plan[:8]
