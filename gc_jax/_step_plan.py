@@ -30,7 +30,7 @@ from gc_jax._chunk_size import (
     _place,
     _target,
     compiled_bytes,
-    device_memory,
+    device_budget,
 )
 
 
@@ -220,11 +220,9 @@ def plan_step(
         :func:`gc_jax.largest_chunk_size`.
 
     Examples:
-      >>> import jax, jax.numpy as jnp, gc_jax
-      >>> def encode(params, x, key):
-      ...     for w in params:
-      ...         x = jnp.tanh(x @ w)
-      ...     return x
+      >>> import functools, jax, jax.numpy as jnp, gc_jax
+      >>> layer = lambda x, w: jnp.tanh(x @ w)
+      >>> encode = lambda params, x, key: functools.reduce(layer, params, x)
       >>> loss = lambda params, q, d: -jnp.mean(jnp.sum(q * d, axis=-1))
       >>> params = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 4
       >>> x = jax.ShapeDtypeStruct((2048, 256), jnp.float32)
@@ -240,7 +238,7 @@ def plan_step(
     budget, tried, target = _budget(budget_bytes), _candidates(candidates), _target(device)
     args = _place(target, tuple(args))
     kwargs = _place(target, dict(kwargs or {}))
-    budget = budget or _device_budget(target, args, "plan_step")
+    budget = budget or device_budget(target, args, "plan_step")
     mesh = target if isinstance(target, Mesh) else None
     by = ("time" if _runs_here(target, args) else "flops") if by == "auto" else by
     compile_ = lambda size, keep, policy: _compile(
@@ -282,17 +280,6 @@ def _default_plan(fits: list, seen: dict) -> list:
 
 def _rows(size: Any) -> int:
     return sum(size) if isinstance(size, tuple) else size
-
-
-def _device_budget(target, args, name: str) -> float:
-    chip = _budget_device(target, args)
-    budget = device_memory(chip)
-    if budget is None:
-        raise ValueError(
-            f"{name}: {chip} ({chip.platform}) reports no memory limit; pass "
-            'budget_bytes=..., the bytes per device the step may use (e.g. "8GiB").'
-        )
-    return budget
 
 
 class _Fit(NamedTuple):

@@ -14,6 +14,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_distributed import make_params  # the same small tower
 
 import gc_jax
 from gc_jax import _plan
@@ -22,15 +23,6 @@ from gc_jax.losses import contrastive_loss
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 ROWS_Q, ROWS_D, CHUNKS = 20, 40, (3, 16)  # 7 query chunks (a short tail), 3 doc chunks
 ALL = 10
-
-
-def make_params():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        "w1": jax.random.normal(k1, (5, 12)) / 2,
-        "w2": jax.random.normal(k2, (12, 4)) / 3,
-        "log_temp": jnp.array(-0.5),
-    }
 
 
 def encode(params, x, key):
