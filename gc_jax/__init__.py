@@ -14,6 +14,8 @@ from gc_jax._value_and_grad import cached_value_and_grad
 from gc_jax._chunked_encoder import chunked_encoder
 from gc_jax._chunk_size import device_memory
 from gc_jax._chunk_size import largest_chunk_size
+from gc_jax._step_plan import plan_step
+from gc_jax._step_plan import StepPlan
 from gc_jax._distributed import global_loss
 from gc_jax._equinox import equinox_encoder
 from gc_jax._flax import linen_encoder
@@ -28,6 +30,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "DynamicLossScale",
+    "StepPlan",
     "TokenBudget",
     "TokenPacking",
     "cached_value_and_grad",
@@ -43,6 +46,7 @@ __all__ = [
     "make_train_step",
     "nnx_encoder",
     "packing",
+    "plan_step",
     "pooling",
     "testing",
 ]

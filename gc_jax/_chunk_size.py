@@ -366,14 +366,7 @@ def largest_chunk_size(
     target = _target(device)
     args = _place(target, tuple(args))
     kwargs = _place(target, dict(kwargs or {}))
-    if budget is None:
-        chip = _budget_device(target, args)
-        budget = device_memory(chip)
-        if budget is None:
-            raise ValueError(
-                f"largest_chunk_size: {chip} ({chip.platform}) reports no memory limit; "
-                'pass budget_bytes=..., the bytes per device the step may use (e.g. "8GiB").'
-            )
+    budget = budget or device_budget(target, args, "largest_chunk_size")
     mesh = target if isinstance(target, Mesh) else None
     measure = lambda c: _bytes_or_none(make_step(c), args, kwargs, mesh)
     found, measured = _largest_fitting(measure, tried, budget)
@@ -386,3 +379,16 @@ def largest_chunk_size(
             "chunk sizes, fewer rows per device, or a larger budget_bytes."
         )
     return tried[found]
+
+
+def device_budget(target: jax.Device | Mesh | None, args: PyTree, name: str) -> float:
+    """The memory of the device the step compiles for, or a ValueError naming ``name``
+    where it reports none (a CPU: pass ``budget_bytes``)."""
+    chip = _budget_device(target, args)
+    budget = device_memory(chip)
+    if budget is None:
+        raise ValueError(
+            f"{name}: {chip} ({chip.platform}) reports no memory limit; "
+            'pass budget_bytes=..., the bytes per device the step may use (e.g. "8GiB").'
+        )
+    return budget

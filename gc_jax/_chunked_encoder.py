@@ -36,6 +36,7 @@ class _Config:
     policy: Any
     batch_axis: Any
     view: EncoderView = "auto"
+    keep: int = 0
 
 
 @jax.tree_util.register_static
@@ -75,8 +76,20 @@ def _fwd(config: _Config, params, batch, key):
     leaves = jax.tree.leaves(batch, is_leaf=is_primal)
     wrt = tuple(bool(x.perturbed) and _passes.is_inexact(x.value) for x in leaves)
     params, batch, key = jax.tree.map(_value, (params, batch, key), is_leaf=is_primal)
-    reps = _passes.forward(_input(config, params, batch, key, wrt), params)[0]
-    return reps, (params, batch, key, _Static(wrt))
+    inp = _input(config, params, batch, key, wrt)
+    reps, kept = _passes.forward(inp, params, keep=_keep(config.keep, inp.plan))
+    return reps, (params, batch, key, _Static(wrt), kept)
+
+
+def _keep(keep: int, plan: Any) -> int:
+    """``keep``, or a ValueError where the batch has fewer chunks."""
+    if keep > plan.keepable:
+        raise _plan.TooManyKept(
+            f"chunked_encoder(keep={keep}) is more chunks than the batch has: "
+            f"{plan.keepable}; write keep={plan.keepable} to keep every chunk, or fewer.",
+            plan.keepable,
+        )
+    return keep
 
 
 def _dense(ct: Any) -> Any:
@@ -101,14 +114,16 @@ def _first_order_only_jvp(chunk_size, primals, tangents):
 
 
 def _bwd(config: _Config, residuals, ct):
-    params, batch, key, wrt = residuals
+    params, batch, key, wrt, kept = residuals
     ct = jax.tree.map(
         _dense, ct, is_leaf=lambda x: isinstance(x, jax.custom_derivatives.SymbolicZero)
     )
     if _plan.by_tokens(config.chunk_size):  # loops as long as the data says
         params, batch, ct = _first_order_only(config.chunk_size, (params, batch, ct))
     inp = _input(config, params, batch, key, wrt.value)
-    acc, (batch_grads,) = _passes.backward([inp], params, [ct], _passes.grad_buffer(params))
+    acc, (batch_grads,) = _passes.backward(
+        [inp], params, [ct], _passes.grad_buffer(params), kept=[kept]
+    )
     grads = _passes.param_grads(acc, params)
     it = iter(batch_grads)  # None: a zero cotangent for leaves nobody differentiates
     batch_grads = [next(it) if w else None for w in wrt.value]
@@ -166,6 +181,7 @@ def chunked_encoder(
     policy: Callable[..., bool] | None = None,
     batch_axis: AxisName | None = None,
     encoder_view: EncoderView = "auto",
+    keep: int = 0,
 ) -> Callable[..., PyTree]:
     """Wraps an encoder so that any JAX differentiation through it is gradient-cached.
 
@@ -196,6 +212,10 @@ def chunked_encoder(
         encodes its rows as plain local arrays), ``"global"`` (the chunk spans the
         devices: the encoder's own sharding annotations, e.g. FSDP) or ``"auto"``
         (local where it can); as in :func:`gc_jax.cached_value_and_grad`.
+      keep: how many chunks (the batch's last) the forward encodes under ``jax.vjp``
+        and keeps the activations of, when differentiated, so that the backward
+        re-encodes only the others; 0 (default) re-encodes every chunk. As in
+        :func:`gc_jax.cached_value_and_grad`.
 
     Returns:
       ``encode_batch(params, batch, key=None) -> reps``. Chunk ``c`` is encoded with
@@ -227,7 +247,8 @@ def chunked_encoder(
     if policy is not None:
         _validation.callable_arg(policy, "policy")
     view = _validation.encoder_view(encoder_view)
-    config = _Config(encode, chunk_size, policy, batch_axis, view)
+    keep = _plan.check_keep(keep)
+    config = _Config(encode, chunk_size, policy, batch_axis, view, keep)
 
     def encode_batch(params: PyTree, batch: PyTree, key: jax.Array | None = None) -> PyTree:
         _validation.rng_key(key, "key")

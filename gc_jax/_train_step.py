@@ -180,14 +180,15 @@ def make_train_step(
     check_finite: bool | str = False,
     cache_dtype: DTypeLike | None = None,
     encoder_view: EncoderView = "auto",
+    keep: int | None = None,
     warn_skipped: bool = True,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """A pure training step with cached (chunked) gradients.
 
     The gradient is ``gc_jax.cached_value_and_grad(loss_fn, encoders, chunk_size)``
     (see there for ``loss_fn``, ``encoders``, ``chunk_size``, ``has_aux``,
-    ``axis_name``, ``batch_axis``, ``cache_dtype`` and ``encoder_view``); this adds the optimizer
-    update and the bookkeeping around it.
+    ``axis_name``, ``batch_axis``, ``cache_dtype``, ``encoder_view`` and ``keep``);
+    this adds the optimizer update and the bookkeeping around it.
 
     The optimizer's ``update`` gets the keywords its signature takes (all of them
     when it takes ``**kwargs``, as ``optax.chain`` and ``optax.MultiSteps`` do), all
@@ -335,6 +336,7 @@ def make_train_step(
         batch_axis=batch_axis,
         cache_dtype=cache_dtype,
         encoder_view=encoder_view,
+        keep=keep,
     )
 
     def train_step(state, *inputs, rng=None, **loss_kwargs):

@@ -188,6 +188,7 @@ def cached_value_and_grad(
     batch_axis: AxisName | None = None,
     cache_dtype: DTypeLike | None = None,
     encoder_view: EncoderView = "auto",
+    keep: int | None = None,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad`` of a loss over encoded batches, with chunked memory.
 
@@ -226,6 +227,16 @@ def cached_value_and_grad(
         annotations apply, e.g. FSDP). ``"auto"`` (default): local where that is
         known to be right (replicated weights, no annotation naming the batch axes),
         else global. The gradients are the same; see :doc:`/scaling_out`.
+      keep: how many chunks pass 1 encodes under ``jax.vjp`` and keeps the
+        activations of, so that pass 2 re-encodes only the others: the batch's last
+        ``keep`` chunks (the last input's first), from 0 (every chunk re-encoded) to
+        every chunk (nothing re-encoded: the memory of the full batch). Each kept chunk
+        holds its activations from pass 1 to pass 2: more memory, one forward less.
+        With a token budget or packing, the last bucket's last ``keep`` chunks (at most
+        the chunks it can have). None (default): the batch's last chunk where it has
+        three chunks or more, every chunk where each input is one.
+        ``gc_jax.plan_step`` picks the chunk size and ``keep`` that fit a memory
+        budget fastest; see :doc:`/chunk_size`.
 
     Returns:
       ``f(params, *inputs, rng=None, loss_scale=None, **loss_kwargs) -> (loss, grads)``
@@ -259,6 +270,7 @@ def cached_value_and_grad(
     chunk_size = _plan.check_all(chunk_size)
     cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
     encoder_view = _validation.encoder_view(encoder_view)
+    keep = _plan.check_keep(keep, allow_none=True)
 
     @_layout.types_mesh
     def value_and_grad_fn(
@@ -284,13 +296,12 @@ def cached_value_and_grad(
             {f"inputs[{i}]": x for i, x in enumerate(inputs)}, _distributed.typed_axes(axis_name)
         )
         planned = _passes.per_device(planned, params, encoder_view)
-        keep_all, keep_last = _kept_vjps(planned)
+        counts, keep_all = _kept_counts(planned, keep)
         reps, kept = (), []
         for i, inp in enumerate(planned):
-            keep = keep_all or (keep_last and i == len(planned) - 1)
             after = None if keep_all else reps  # plain full-batch training: no order
             cache, vjp = _passes.forward(
-                inp, pparams, keep_tail=keep, cache_dtype=cache_dtype, after=after
+                inp, pparams, keep=counts[i], cache_dtype=cache_dtype, after=after
             )
             _check_differentiable(cache, inp, i)
             reps += (cache,)
@@ -302,7 +313,7 @@ def cached_value_and_grad(
             )
         _check_named_axes(axis_name)  # after the loss's own axis check, which says more
         acc = jax.tree.map(lambda g: g.astype(_passes.wide(g.dtype)), acc)
-        acc, _ = _passes.backward(planned, pparams, list(rep_grads), acc, tail_vjps=kept)
+        acc, _ = _passes.backward(planned, pparams, list(rep_grads), acc, kept=kept)
         loss, acc = _loss_scale.unscale(loss, acc, loss_scale)
         grads = jax.tree.map(
             lambda g, p: g.astype(p.dtype), _distributed.reduce_grads(acc, manual), params
@@ -361,6 +372,29 @@ def _kept_vjps(inputs: list[_passes.Input]) -> tuple[bool, bool]:
         return False, False  # chunk counts the data decides (token budgets): nothing kept
     chunks = sum(counts)
     return chunks == len(inputs), chunks >= 3
+
+
+def _kept_counts(inputs: list[_passes.Input], keep: int | None) -> tuple[list[int], bool]:
+    """The chunks pass 1 keeps of each input, and whether that is every chunk of all.
+
+    ``keep=None``: :func:`_kept_vjps`. Else the batch's last ``keep`` chunks: the last
+    input's, then the one before it, ... (raises where the batch has fewer)."""
+    n = len(inputs)
+    if keep is None:
+        keep_all, keep_last = _kept_vjps(inputs)
+        return [int(keep_all or (keep_last and i == n - 1)) for i in range(n)], keep_all
+    most = [inp.plan.keepable for inp in inputs]
+    if keep > sum(most):
+        raise _plan.TooManyKept(
+            f"keep={keep} is more chunks than the batch has: {sum(most)} (per input: "
+            f"{most}); write keep={sum(most)} to keep every chunk, or fewer.",
+            sum(most),
+        )
+    counts, left = [0] * n, keep
+    for i in reversed(range(n)):
+        counts[i], left = min(left, most[i]), left - min(left, most[i])
+    every = all(c == inp.plan.num_chunks for c, inp in zip(counts, inputs, strict=True))
+    return counts, every
 
 
 def _inputs(encoders, chunk_size, inputs, rng, axis_name, batch_axis) -> list[_passes.Input]:

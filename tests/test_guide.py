@@ -38,7 +38,7 @@ PAGES = {
         "bring your own step: a plain optax loop",
         "bring your own step: nnx",
     ],
-    "chunk_size.md": ["setup", "largest chunk size"],
+    "chunk_size.md": ["setup", "largest chunk size", "keep what fits"],
     "mixed_precision.md": ["bfloat16", "float16: dynamic loss scaling"],
     "token_budgets.md": ["token budget", "run it", "token packing"],
     "scaling_out.md": [

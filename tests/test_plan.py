@@ -48,6 +48,9 @@ def visit_every_chunk(plan: _plan.Plan, batch, keep_tail: bool):
     for index, turns in plan.loops(keep_tail):
         body = lambda j, carry, index=index: write(carry, index(j))
         rows, seen = jax.lax.fori_loop(0, turns, body, (rows, seen))
+    index, turns = plan.kept(keep_tail)  # a token plan keeps its last bucket's last chunk
+    for j in range(turns):
+        rows, seen = write((rows, seen), index(j))
     if plan.has_tail(keep_tail):
         rows, seen = write((rows, seen), None)
     return rows, seen

@@ -236,19 +236,26 @@ class TokenPlan(NamedTuple):
     trips: jax.Array
     layout: _layout.Layout = _layout.SINGLE
 
-    num_chunks = None  # known only from the data: pass 1 keeps no chunk's VJP
+    num_chunks = None  # known only from the data (pass 1 keeps only the chunks asked for)
     rows_hint = ""
 
-    def loops(
-        self, keep_tail: bool = False
-    ) -> list[tuple[Callable[[Any], BucketChunk], jax.Array]]:
-        """One chunk loop per bucket: ``(index of turn j, traced number of turns)``."""
-        del keep_tail  # no chunk is kept (num_chunks is None)
-        return [(lambda j, b=b: BucketChunk(b, j), self.trips[b]) for b in range(len(self.rows))]
+    @property
+    def keepable(self) -> int:
+        """The most chunks pass 1 can keep: those the last bucket can have."""
+        return -(-(self.batch_size // self.num_shards) // self.rows[-1])
 
-    def has_tail(self, keep_tail: bool = False) -> bool:
-        """False: every chunk is in :meth:`loops`."""
+    def loops(self, keep: int = 0) -> list[tuple[Callable[[Any], BucketChunk], jax.Array]]:
+        """One chunk loop per bucket: ``(index of turn j, traced number of turns)``,
+        the last bucket's ``keep`` kept chunks left out (``token_rows.bucket_loops``)."""
+        return token_rows.bucket_loops(self.trips, keep)
+
+    def has_tail(self, keep: int = 0) -> bool:
+        """False: every chunk is in :meth:`loops` or :meth:`kept`."""
         return False
+
+    def kept(self, keep: int) -> tuple[Callable[[Any], BucketChunk], int]:
+        """The kept chunks: the last bucket's last ``keep`` (``token_rows.kept_turns``)."""
+        return token_rows.kept_turns(self.trips, keep)
 
     def pack(self, batch: PyTree, wrt: tuple[bool, ...]) -> PyTree:
         """``batch`` as it is: chunks are gathered row by row, never sliced as lines."""
@@ -272,6 +279,9 @@ class TokenPlan(NamedTuple):
         at = self.starts[:, b : b + 1] + pos[None, :]
         end = self.ends[:, b : b + 1]
         valid = at < end
+        if index.kept:  # a turn before the bucket's first: no row (token_rows.kept_turns)
+            valid = valid & (pos >= 0)
+            at = jnp.where(pos >= 0, at, jnp.maximum(end - 1, 0))
         # Padding rows repeat the span's last row, which fits the bucket (so no row is
         # cut short, whose encoding could be NaN); where the span is empty, the
         # shard's shortest row.

@@ -361,19 +361,28 @@ class PackPlan(NamedTuple):
     trips: jax.Array
     layout: _layout.Layout = _layout.SINGLE
 
-    num_chunks = None  # known only from the data: pass 1 keeps no chunk's VJP
+    num_chunks = None  # known only from the data (pass 1 keeps only the chunks asked for)
     rows_hint = (
         "; with a TokenPacking the encoder returns one row per slot, [lines * segments, "
         "...] (see gc_jax.packing.mean_pool)"
     )
 
-    def loops(self, keep_tail: bool = False) -> list:
-        """One chunk loop per bucket: ``(index of turn j, traced number of turns)``."""
-        del keep_tail  # no chunk is kept (num_chunks is None)
-        return [(lambda j, c=c: BucketChunk(c, j), self.trips[c]) for c in range(len(self.lines))]
+    @property
+    def keepable(self) -> int:
+        """The most chunks pass 1 can keep: those the last bucket can have."""
+        return -(-(self.batch_size // self.num_shards) // self.lines[-1])
 
-    def has_tail(self, keep_tail: bool = False) -> bool:
+    def loops(self, keep: int = 0) -> list:
+        """One chunk loop per bucket: ``(index of turn j, traced number of turns)``,
+        the last bucket's ``keep`` kept chunks left out (``token_rows.bucket_loops``)."""
+        return token_rows.bucket_loops(self.trips, keep)
+
+    def has_tail(self, keep: int = 0) -> bool:
         return False
+
+    def kept(self, keep: int) -> tuple:
+        """The kept chunks: the last bucket's last ``keep`` (``token_rows.kept_turns``)."""
+        return token_rows.kept_turns(self.trips, keep)
 
     def pack(self, batch: PyTree, wrt: tuple[bool, ...]) -> PyTree:
         if any(wrt):
@@ -399,14 +408,16 @@ class PackPlan(NamedTuple):
     def where(self, index: BucketChunk) -> Lines:
         """Chunk ``index``'s lines, each shard's (leading axis: shards)."""
         c = index.bucket
-        lines = lambda *a: self._lines(index.turn, self.lengths[c], self.lines[c], *a)
+        lines = lambda *a: self._lines(index, self.lengths[c], self.lines[c], *a)
         return jax.vmap(lines)(self.order[c], self.sizes[c], self.before[c], self.first[c],
                                self.used[c])  # fmt: skip
 
-    def _lines(self, turn, length, count, order, sizes, before, first, used) -> Lines:
+    def _lines(self, index, length, count, order, sizes, before, first, used) -> Lines:
         n = order.shape[0]
-        line = turn * count + jnp.arange(count)
+        line = index.turn * count + jnp.arange(count)
         in_data = line < used
+        if index.kept:  # a turn before the bucket's first: no row (token_rows.kept_turns)
+            in_data, line = in_data & (line >= 0), jnp.maximum(line, 0)
         # A line past the data repeats the last line, whose slots are not written (so no
         # line is empty, whose pooled output, normalised, has a NaN gradient); a shard
         # with no line of this bucket has one made up (see make_plan).

@@ -41,7 +41,7 @@ class Plan(Protocol):
         (devices under a sharded ``jit``; 1 otherwise).
       layout: how the rows lie across devices (``gc_jax._layout.Layout``).
       num_chunks: the number of chunks when it is known at trace time, else None (the
-        data decides it: pass 1 then keeps no chunk's VJP).
+        data decides it).
       rows_hint: added to the error of an encoder that returns other than
         :meth:`rows_of` rows.
     """
@@ -54,12 +54,21 @@ class Plan(Protocol):
     @property
     def num_chunks(self) -> int | None: ...
 
-    def loops(self, keep_tail: bool) -> list[tuple[Callable[[Any], Any], Any]]:
-        """The chunk loops: ``(index of turn j, number of turns)``; ``keep_tail``: the
-        last chunk is encoded on its own (its VJP kept), not in a loop."""
+    @property
+    def keepable(self) -> int:
+        """The most chunks pass 1 can keep the VJPs of (``keep=``): every chunk of rows;
+        for token plans the chunks the last bucket can have."""
 
-    def has_tail(self, keep_tail: bool) -> bool:
+    def loops(self, keep: int) -> list[tuple[Callable[[Any], Any], Any]]:
+        """The loops of the chunks not kept: ``(index of turn j, number of turns)``.
+        ``keep``: how many chunks pass 1 encodes under ``jax.vjp`` and keeps (the
+        tail, if any, and :meth:`kept`), in no loop here."""
+
+    def has_tail(self, keep: int) -> bool:
         """Whether a last chunk (index None) is encoded on its own after the loops."""
+
+    def kept(self, keep: int) -> tuple[Callable[[Any], Any], int]:
+        """The kept chunks but the tail, ``(index of turn j, static turns)``."""
 
     def samples(self) -> list:
         """One chunk index per distinct chunk shape (for the outputs' shapes)."""
@@ -116,6 +125,28 @@ def check_all(value: Any) -> ChunkSize | tuple[ChunkSize, ...]:
             )
         return tuple(check(v, f"chunk_size[{i}]") for i, v in enumerate(value))
     return check(value, "chunk_size")
+
+
+class TooManyKept(ValueError):
+    """``keep`` names more chunks than the batch has (``chunks``: how many it has)."""
+
+    def __init__(self, message: str, chunks: int):
+        super().__init__(message)
+        self.chunks = chunks
+
+
+def check_keep(keep: Any, name: str = "keep", allow_none: bool = False) -> int | None:
+    """``keep``: a non-negative int (None too where ``allow_none``); its upper bound,
+    the batch's chunks, is checked where the batch is planned."""
+    if (keep is None and allow_none) or (
+        isinstance(keep, int) and not isinstance(keep, bool) and keep >= 0
+    ):
+        return keep
+    default = ", or keep=None for the default" if allow_none else ""
+    raise ValueError(
+        f"{name} must be a non-negative int (how many chunks pass 1 keeps the "
+        f"activations of), got {keep!r}; write e.g. {name}=2{default}."
+    )
 
 
 def by_tokens(chunk_size: Any) -> bool:

@@ -67,15 +67,27 @@ class ChunkPlan(NamedTuple):
         """Whether the last chunk is as large as the others (chunk ``num_body`` is the tail)."""
         return self.tail_size == self.chunk_size
 
-    def loops(self, keep_tail: bool) -> list[tuple[Callable[[Any], Any], int]]:
-        """The chunk loop ``(index of turn j, turns)``: the body chunks, and the tail too
-        when it is full-sized and not kept (one more turn of the loop)."""
-        looped = self.num_body + (not keep_tail and self._full_tail())
+    @property
+    def keepable(self) -> int:
+        """The most chunks pass 1 can keep the VJPs of: every chunk."""
+        return self.num_chunks
+
+    def loops(self, keep: int) -> list[tuple[Callable[[Any], Any], int]]:
+        """The chunk loop ``(index of turn j, turns)`` of the chunks not kept: the body
+        chunks before the kept ones, and the tail too when it is full-sized and nothing
+        is kept (one more turn of the loop). ``keep``: the chunks kept (a bool: 0 or 1)."""
+        looped = self.num_body - max(keep - 1, 0) + (not keep and self._full_tail())
         return [(lambda j: j, looped)] if looped else []
 
-    def has_tail(self, keep_tail: bool) -> bool:
-        """Whether the tail is encoded on its own, after the loop."""
-        return keep_tail or not self._full_tail()
+    def has_tail(self, keep: int) -> bool:
+        """Whether the tail is encoded on its own, after the loop (kept if ``keep``)."""
+        return bool(keep) or not self._full_tail()
+
+    def kept(self, keep: int) -> tuple[Callable[[Any], Any], int]:
+        """The kept chunks but the tail: ``(index of turn j, turns)``, the last
+        ``keep - 1`` body chunks."""
+        turns = max(keep - 1, 0)
+        return (lambda j: self.num_body - turns + j), turns
 
     def samples(self) -> list:
         """One chunk index per distinct chunk shape: the tail and, if any, a full chunk."""

@@ -149,6 +149,25 @@ class BucketChunk(NamedTuple):
 
     bucket: int
     turn: Any
+    kept: bool = False  # a kept chunk: its turn may be negative (then it has no row)
+
+
+def bucket_loops(trips: jax.Array, keep: int) -> list:
+    """One chunk loop per bucket, ``(index of turn j, traced turns)``; the last bucket's
+    runs ``keep`` turns fewer: its last ``keep`` chunks are kept (:func:`kept_turns`)."""
+    last = trips.shape[0] - 1
+    turns = lambda b: jnp.maximum(trips[b] - keep, 0) if keep and b == last else trips[b]
+    return [(lambda j, b=b: BucketChunk(b, j), turns(b)) for b in range(last + 1)]
+
+
+def kept_turns(trips: jax.Array, keep: int) -> tuple[Any, int]:
+    """The kept chunks, ``(index of turn j, turns)``: the last bucket's last ``keep``.
+
+    Where the bucket has fewer chunks, the first are turns before its first (negative):
+    encoded, they write no row and get a zero cotangent, so the step stays exact.
+    """
+    last = trips.shape[0] - 1
+    return (lambda j: BucketChunk(last, trips[last] - keep + j, True)), keep
 
 
 # ------------------------------------------------------------------ lengths, in a trace

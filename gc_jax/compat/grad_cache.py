@@ -139,6 +139,8 @@ class GradCache:
         own output dtype), as ``cached_value_and_grad``.
       encoder_view: ``"auto"``, ``"local"`` or ``"global"``: how the models see a
         chunk under ``jit`` over a sharded batch, as ``cached_value_and_grad``.
+      keep: how many chunks (the batch's last) pass 1 keeps the activations of, so
+        that pass 2 re-encodes only the others, as ``cached_value_and_grad``.
 
     Model inputs are passed as in the original: an array ``x`` as ``model(x)``, a list
     or tuple as ``model(*x)``, a dict as ``model(**x)``; every leaf is a batch.
@@ -190,6 +192,7 @@ class GradCache:
         batch_axis: AxisName | None = None,
         cache_dtype: DTypeLike | None = None,
         encoder_view: EncoderView = "auto",
+        keep: int | None = None,
     ):
         self.models = [models] if isinstance(models, nnx.Module) else list(models)
         if not self.models:
@@ -215,6 +218,7 @@ class GradCache:
         self.has_aux, self.axis_name, self.batch_axis = has_aux, axis_name, batch_axis
         self.cache_dtype = _validation.float_dtype(cache_dtype, "cache_dtype")
         self.encoder_view = _validation.encoder_view(encoder_view)
+        self.keep = _plan.check_keep(keep, allow_none=True)
         self._unique = tuple({id(m): m for m in self.models}.values())
         self._slot = tuple(
             next(j for j, u in enumerate(self._unique) if u is m) for m in self.models
@@ -245,6 +249,7 @@ class GradCache:
             batch_axis=self.batch_axis,
             cache_dtype=self.cache_dtype,
             encoder_view=self.encoder_view,
+            keep=self.keep,
         )
         return f(params, *inputs, rng=rng, **dyn_kwargs, **dict(static_kwargs))
 
