@@ -21,7 +21,7 @@ The JAX side runs ``gc_jax.make_train_step`` (``keep=None``, the default) and, w
 
 Usage (the torch side's environment: see docs/benchmarks/vs_pytorch.md)::
 
-    python -m benchmarks.vs_sentence_transformers --st-python /work/venv-st/bin/python
+    python -m benchmarks.vs_sentence_transformers --st-python .venv-st/bin/python
     python -m benchmarks.vs_sentence_transformers --st-python ... --batch 64 --mini-batch 16
 """
 
