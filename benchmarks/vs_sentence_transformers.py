@@ -19,10 +19,13 @@ worker the same step requests in turn:
 The JAX side runs ``gc_jax.make_train_step`` (``keep=None``, the default) and, with
 ``--keep``, the same step keeping that many chunks (``keep=``).
 
-Usage (the torch side's environment: see docs/benchmarks/vs_pytorch.md)::
+Usage, from the repository root (``examples/`` on the path for the example's MiniLM;
+the torch side's environment: see docs/benchmarks/speed.md)::
 
-    python -m benchmarks.vs_sentence_transformers --st-python .venv-st/bin/python
-    python -m benchmarks.vs_sentence_transformers --st-python ... --batch 64 --mini-batch 16
+    PYTHONPATH=examples python -m benchmarks.vs_sentence_transformers \
+        --st-python .venv-st/bin/python
+    PYTHONPATH=examples python -m benchmarks.vs_sentence_transformers \
+        --st-python .venv-st/bin/python --batch 64 --mini-batch 16
 """
 
 from __future__ import annotations
@@ -88,7 +91,6 @@ def pairs(batches: int, batch: int, seed: int = 0) -> list[tuple[list[str], list
 
 def jax_worker(cfg: dict):
     """``step(i) -> (loss, seconds)`` for each variant: gc_jax.make_train_step."""
-    sys.path.insert(0, str(ROOT / "examples"))
     import jax
     import optax
     from flax import nnx

@@ -251,9 +251,9 @@ def test_grad_cache():
 
     mq, md = Tower(0), Tower(1)
     q, d = batch()
-    want = gc_jax.GradCache([mq, md], CHUNKS, contrastive_loss)(q, d)
+    want = gc_jax.compat.GradCache([mq, md], CHUNKS, contrastive_loss)(q, d)
     for keep in (0, 4, ALL):
-        got = gc_jax.GradCache([mq, md], CHUNKS, contrastive_loss, keep=keep)(q, d)
+        got = gc_jax.compat.GradCache([mq, md], CHUNKS, contrastive_loss, keep=keep)(q, d)
         chex.assert_trees_all_close(got, want, **TOL)
 
 

@@ -1,17 +1,16 @@
 """``TokenPacking``: ``chunk_size`` counted in tokens, rows packed into lines.
 
-The config (:class:`TokenPacking`: its checks, the chunk shapes it compiles and the
-chunks a batch needs, with NumPy, and :meth:`TokenPacking.for_lengths`'s fit), its
-plan (:class:`PackPlan`) and :func:`make_plan`; the encoder's side of it is
-:mod:`gc_jax.packing`.
+The config (:class:`TokenPacking`: checks, chunk shapes, chunks and lines a batch
+needs with NumPy, :meth:`TokenPacking.for_lengths`'s fit), its plan (:class:`PackPlan`)
+and :func:`make_plan`; the encoder's side of it is :mod:`gc_jax.packing`.
 
 Under ``jax.jit`` the lengths are traced data. Each row goes to its bucket, the
 shortest line length that holds it (one bucket, ``L``, without ``buckets``). For each
 bucket, each shard's rows of the bucket are sorted longest first (a stable
 ``argsort``) and placed by one ``lax.scan`` over them: a line takes the longest row
 left, then the shortest rows left while they fit and it holds fewer than
-``segments`` rows (:func:`pack_lines` does the same with NumPy). A line's rows are
-consecutive in the order of placement, so a bucket's plan is a few ``[rows]``
+``segments`` rows (:mod:`~gc_jax._chunks.placement` does the same with NumPy). A
+line's rows are consecutive in the order of placement, so a bucket's plan is a few ``[rows]``
 arrays: that order, the lengths in it, their running sum and where each line starts.
 Chunk ``c`` of a bucket holds its lines ``c * lines .. (c + 1) * lines - 1``; their
 token gather is computed when the chunk is taken. The number of chunks is traced, so
@@ -33,6 +32,7 @@ import numpy as np
 from gc_jax import _keys, _layout, _validation
 from gc_jax._base import PyTree
 from gc_jax._chunks import spans, token_rows
+from gc_jax._chunks.placement import lines_by_bucket, pack_lines
 from gc_jax._chunks.token_rows import MASK, BucketChunk
 
 SEGMENT_IDS, POSITION_IDS, SEGMENT_STARTS = "segment_ids", "position_ids", "segment_starts"
@@ -233,40 +233,27 @@ class TokenPacking:
         return {shape: int(-(-k // shape[0])) for shape, k in zip(shapes, lines, strict=True)}
 
     def lines(self, lengths: Any, padded_length: int) -> dict[int, list[list[int]]]:
-        """``{line length: lines}``: which rows share a line, computed with NumPy.
+        """``{line length: lines}``, each line the indices of its rows in ``lengths`` (one
+        device's ``[rows]``) in the order the step places them, computed with NumPy.
 
-        Each line lists row indices into ``lengths`` (one device's ``[rows]``, as for
-        :meth:`chunk_counts`) in the order the step places them: the longest row first,
-        then the shortest that fit; rows of equal length in batch order.
-
-        Examples:
-          >>> import gc_jax
-          >>> packing = gc_jax.TokenPacking(tokens=64, segments=3)
-          >>> packing.lines([10, 30, 5, 16, 0, 12], padded_length=32)  # row 4: no tokens
-          {32: [[4], [1], [3, 2, 0], [5]]}
+        >>> TokenPacking(tokens=64, segments=3).lines([10, 30, 5, 16, 0, 12], 32)
+        {32: [[4], [1], [3, 2, 0], [5]]}
         """
-        method = f"{type(self).__name__}.lines"
         if np.ndim(lengths) != 1:
-            raise ValueError(f"{method}(lengths=...) takes [rows], got {np.shape(lengths)}.")
-        array = token_rows.checked_lengths(lengths, padded_length, method, "lengths", "rows")
-        widths = tuple(n for _, n in self.chunk_shapes(padded_length, array.shape[1]))
-        rows = np.where(array[0] > 0, array[0], widths[-1])
+            raise ValueError(
+                f"TokenPacking.lines(lengths=...) takes [rows], got {np.shape(lengths)}."
+            )
+        array = token_rows.checked_lengths(
+            lengths, padded_length, "TokenPacking.lines", "lengths", "rows"
+        )[0]
+        widths = tuple(n for _, n in self.chunk_shapes(padded_length, array.size))
+        rows = np.where(array > 0, array, widths[-1])
         bucket, out = spans.bucket_of(rows, widths, np), {}
-        for c, n in enumerate(widths):
+        for c, n in enumerate(widths):  # each bucket's rows, longest first (a stable sort)
             mine = np.flatnonzero(bucket == c)
             order = mine[np.argsort(-rows[mine], kind="stable")]
             out[n] = [order[line].tolist() for line in pack_lines(rows[mine], n, self.segments)]
         return out
-
-
-def lines_by_bucket(lengths: Any, widths: tuple[int, ...], segments: int | None = None):
-    """Each line length's lines of one device's rows (NumPy; :func:`pack_lines` of the
-    rows each holds): a row goes to the shortest ``widths[c]`` that holds it (a row of
-    length 0, to the last). ``segments`` None: no limit on the rows a line holds."""
-    lengths = np.asarray(lengths)
-    lengths = np.where(lengths > 0, lengths, widths[-1])
-    bucket = spans.bucket_of(lengths, widths, np)
-    return [pack_lines(lengths[bucket == c], n, segments or n) for c, n in enumerate(widths)]
 
 
 def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int,
@@ -289,25 +276,6 @@ def _lines_cost(sample: np.ndarray, tokens: int, padded_length: int,
         return kept[low, n]
 
     return lambda widths: sum(map(span, (0, *widths[:-1]), widths))
-
-
-def pack_lines(lengths: Any, line_length: int, segments: int) -> list[list[int]]:
-    """The lines of one device's rows, with NumPy: each line's rows, as positions in the
-    rows sorted longest first (a row of length 0 takes a line of its own).
-
-    A line takes the longest row left, then the shortest rows left while they fit and
-    it has fewer than ``segments`` rows (the shortest left not fitting, none does).
-    """
-    ordered = np.asarray(lengths)
-    ordered = np.sort(np.where(ordered > 0, ordered, line_length), kind="stable")[::-1]
-    front, back, lines = 0, len(ordered) - 1, []
-    while front <= back:
-        lines.append([front])
-        used, front = int(ordered[front]), front + 1
-        while front <= back and len(lines[-1]) < segments and used + ordered[back] <= line_length:
-            lines[-1].append(back)
-            used, back = used + int(ordered[back]), back - 1
-    return lines
 
 
 class Lines(NamedTuple):
@@ -525,7 +493,7 @@ class PackPlan(NamedTuple):
 
 def _place(sizes: jax.Array, line_length: Any, segments: int, count: jax.Array):
     """Lines of a shard's first ``count`` rows, ``sizes`` their lengths longest first (as
-    :func:`pack_lines`, by one ``lax.scan`` over the rows).
+    :func:`~gc_jax._chunks.placement.pack_lines`, by one ``lax.scan`` over the rows).
 
     Returns:
       ``(placed, first)``: ``placed[i]``, the position in ``sizes`` of the ``i``-th
