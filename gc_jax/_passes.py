@@ -125,11 +125,11 @@ def _why_spanning(inp: Input, spanning: Input, params: PyTree, view: EncoderView
     except Exception as e:
         if view == "local":
             found = _spanning_annotation(spanning, params)
-            if found:
-                raise ValueError(f"encoder_view='local' cannot be used here: {inp.name} "
-                                 f"{found}: {e}") from e  # fmt: skip
+            if found:  # named, with what commonly makes an encoder fail per device
+                e = ValueError(f"encoder_view='local' cannot be used here: {inp.name} "
+                               f"{found}: {e}").with_traceback(e.__traceback__)  # fmt: skip
             _device_view.explain(e)
-            raise
+            raise e
         # Written for the global view: keep it so, if it traces there; else this
         # raises the error of that view too.
         output_shapes(spanning, params)
