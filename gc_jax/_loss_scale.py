@@ -84,7 +84,7 @@ def all_finite(loss: jax.Array, grads: PyTree) -> jax.Array:
     return finite
 
 
-def _grad_leaves(grads: PyTree) -> list[tuple[str, jax.Array]]:
+def grad_leaves(grads: PyTree) -> list[tuple[str, jax.Array]]:
     return [
         (f"grads{jax.tree_util.keystr(path)}", g)
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
@@ -92,7 +92,7 @@ def _grad_leaves(grads: PyTree) -> list[tuple[str, jax.Array]]:
     ]
 
 
-def _nonfinite_message(loss: Any, grads_checked: Any, named_counts: list) -> str:
+def nonfinite_message(loss: Any, grads_checked: Any, named_counts: list) -> str:
     """The message of the finite check, from concrete values (host side)."""
     bad = [(n, c, size) for n, c, size in named_counts if c] if bool(grads_checked) else []
     listing = ", ".join(f"{n} ({c} of {size} entries)" for n, c, size in bad)
@@ -112,7 +112,7 @@ def check_finite(mode: str, loss: jax.Array, grads: PyTree, dynamic_scale: Any =
     they are reported only once ``dynamic_scale`` is down to ``MIN_LOSS_SCALE``.
     """
     grads_checked = jnp.array(True) if dynamic_scale is None else dynamic_scale <= MIN_LOSS_SCALE
-    leaves = _grad_leaves(grads)
+    leaves = grad_leaves(grads)
     counts = [jnp.sum(~jnp.isfinite(g)) for _, g in leaves]
     if mode == "checkify":
         listing = ", ".join(n.replace("{", "{{").replace("}", "}}") + ": {}" for n, _ in leaves)
@@ -133,7 +133,7 @@ def check_finite(mode: str, loss: jax.Array, grads: PyTree, dynamic_scale: Any =
         named = list(zip(names, (int(c) for c in counts), sizes, strict=True))
         loss_bad = not np.all(np.isfinite(loss))
         if loss_bad or (bool(grads_checked) and any(c for _, c, _ in named)):
-            raise FloatingPointError(_nonfinite_message(loss, grads_checked, named))
+            raise FloatingPointError(nonfinite_message(loss, grads_checked, named))
 
     jax.debug.callback(raise_if_bad, loss, grads_checked, *counts)
 

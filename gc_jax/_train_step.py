@@ -118,7 +118,7 @@ def _warn_if_skipped(finite, loss, grads, dynamic_scale, checked: bool) -> None:
     report = ~finite
     if dynamic_scale is not None:
         report = report & ((dynamic_scale <= _loss_scale.MIN_LOSS_SCALE) | ~jnp.isfinite(loss))
-    leaves = _loss_scale._grad_leaves(grads)
+    leaves = _loss_scale.grad_leaves(grads)
     names, sizes = [n for n, _ in leaves], [g.size for _, g in leaves]
     counts = [jnp.sum(~jnp.isfinite(g)) for _, g in leaves]
     if checked:
@@ -132,7 +132,7 @@ def _warn_if_skipped(finite, loss, grads, dynamic_scale, checked: bool) -> None:
                 "update (evaluated at other parameters: value_fn, obj_fn, grad_fn) is not."
             )
         else:
-            what = _loss_scale._nonfinite_message(loss, True, named)
+            what = _loss_scale.nonfinite_message(loss, True, named)
         warnings.warn(what + _SKIPPED, RuntimeWarning, stacklevel=2)
 
     jax.lax.cond(report, lambda: jax.debug.callback(warn, loss, *counts), lambda: None)
