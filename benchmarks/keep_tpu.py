@@ -17,6 +17,7 @@ Usage (about 2-6 min per BERT-base compile on 2 cores; about 10 compiles per bat
 
     python -m benchmarks.keep_tpu --json benchmarks/results/keep_tpu_v5e.json
     python -m benchmarks.keep_tpu --multiples 2 --chunks 256
+    python -m benchmarks.keep_tpu --multiples 2 --keep 2   # no search: that plan's bytes
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--multiples", type=int, nargs="+", default=[2, 4])
     p.add_argument("--chunks", type=int, nargs="+", default=[256], help="chunk sizes to plan")
     p.add_argument("--block", type=int, default=4096, help="tile of the blockwise loss")
+    p.add_argument("--keep", type=int, default=None,
+                   help="skip the plan search: this keep against today's (first --chunks)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -86,7 +89,12 @@ def one_batch(args, cfg, device, rows: int) -> dict:
     make = lambda c, k: gc_jax.cached_value_and_grad(loss, towers, c, keep=k)
     shapes = args_on(device, cfg, rows)
     tick = time.perf_counter()
-    plan = gc_jax.plan_step(make, shapes, args.chunks, device=device, by="flops")
+    if args.keep is None:
+        plan = gc_jax.plan_step(make, shapes, args.chunks, device=device, by="flops")
+    else:  # no search: the given keep at the first chunk size (two towers' chunks)
+        size = args.chunks[0]
+        plan = gc_jax.StepPlan(size, args.keep, None, None, None, None, None,
+                               2 * -(-rows // size), ())  # fmt: skip
     took = time.perf_counter() - tick
     allocated = {}
     for name, step in (("plan", make(plan.chunk_size, plan.keep)),
