@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -164,6 +164,30 @@ def _runs_here(target: jax.Device | Mesh | None, args: PyTree) -> bool:
         return False
 
 
+def _timing_args(tried: list, placed: tuple, given: tuple) -> tuple:
+    """What the plans are timed on: zeros of the placed shapes for chunks of rows (their
+    cost does not depend on the values); the batch itself, placed, for token plans."""
+    if not _plan.by_tokens(tried[0]):
+        return placed
+    return jax.tree.map(lambda a, x: jax.device_put(x, a.sharding), placed, given)
+
+
+def _check_token_timing(tried: list, by: str, args: tuple, kwargs: dict) -> None:
+    """Token plans' chunks follow the batch's lengths: timed on zeros (arguments given as
+    shapes) every row would be empty, and the timing would say nothing."""
+    leaves = jax.tree.leaves((args, kwargs))
+    if (
+        by == "time"
+        and _plan.by_tokens(tried[0])
+        and not all(isinstance(x, jax.Array | np.ndarray) for x in leaves)
+    ):
+        raise ValueError(
+            'plan_step: timing token plans (by="time") needs the real batch, since their '
+            "chunks follow its lengths; pass arrays as args (not jax.ShapeDtypeStruct), or "
+            'by="flops" to rank the plans by the chunks they re-encode.'
+        )
+
+
 def _check_by(by: Any, reps: Any) -> None:
     if by not in ("auto", "time", "flops"):
         raise ValueError(f'by must be "auto", "time" or "flops"; got {by!r}.')
@@ -191,7 +215,8 @@ def plan_step(
     chunk re-encoded, the least memory) to every chunk. Of the plans that fit, the
     fastest is returned: by measured step time where the devices are this process's
     (``by="time"``, interleaved rounds, the default's ``keep=1`` at the largest chunk
-    size timed beside them; arguments given as shapes run as zeros), by the
+    size timed beside them; chunks of rows run on zeros of the arguments' shapes, token
+    plans on the batch given, whose lengths decide their chunks), by the
     compiler's FLOPs (``cost_analysis()``) where they are not, e.g. a TPU topology's
     compile-only devices (``by="flops"``; ties: the larger chunk). Each candidate
     costs about ``2 log2(keep) + 2`` compiles; each is logged at INFO on ``"gc_jax"``.
@@ -201,7 +226,10 @@ def plan_step(
         policy)`` with ``policies``), e.g. ``lambda c, k:
         gc_jax.make_train_step(loss_fn, encode, c, keep=k)``.
       args: the step's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-      candidates: chunk sizes to try, as :func:`gc_jax.largest_chunk_size` takes them.
+      candidates: chunk sizes to try, as :func:`gc_jax.largest_chunk_size` takes them,
+        or token plans (``TokenBudget``, ``TokenPacking``: ``keep`` then counts the last
+        bucket's chunks; with ``by="flops"`` plans are ranked by the share of those
+        they re-encode).
       kwargs: keyword arguments of the step.
       budget_bytes: bytes per device, as :func:`gc_jax.largest_chunk_size` (default: the
         device's memory).
@@ -236,16 +264,19 @@ def plan_step(
       True
     """
     _check_by(by, reps)
-    budget, tried, target = _budget(budget_bytes), _candidates(candidates), _target(device)
-    args = _place(target, tuple(args))
-    kwargs = _place(target, dict(kwargs or {}))
+    budget, tried, target = _budget(budget_bytes), _plan_candidates(candidates), _target(device)
+    given = (tuple(args), dict(kwargs or {}))
+    args = _place(target, given[0])
+    kwargs = _place(target, given[1])
     budget = budget or device_budget(target, args, "plan_step")
     mesh = target if isinstance(target, Mesh) else None
     by = ("time" if _runs_here(target, args) else "flops") if by == "auto" else by
     compile_ = lambda size, keep, policy: _compile(
         _made(make_step, size, keep, policy), args, kwargs, mesh
     )
-    fits, seen = _fitting_plans(compile_, make_step, tried, policies, budget, by == "flops")
+    _check_token_timing(tried, by, *given)
+    count_flops = by == "flops" and not _plan.by_tokens(tried[0])
+    fits, seen = _fitting_plans(compile_, make_step, tried, policies, budget, count_flops)
     if not fits:
         raise ValueError(
             f"plan_step: no candidate fits a budget of {budget:,.0f} bytes per device, even "
@@ -254,7 +285,8 @@ def plan_step(
     seconds = [None] * len(fits)
     if by == "time":
         fits += _default_plan(fits, seen)
-        seconds = _times([f.compiled.compiled for f in fits], args, kwargs, reps)
+        run = _timing_args(tried, (args, kwargs), given)
+        seconds = _times([f.compiled.compiled for f in fits], *run, reps)
         best = min(range(len(fits)), key=lambda i: seconds[i])
     elif all(f.flops is not None for f in fits):  # the fewest FLOPs; of equals, the larger chunk
         best = min(range(len(fits)), key=lambda i: (fits[i].flops, -_rows(fits[i].size)))
@@ -280,7 +312,27 @@ def _default_plan(fits: list, seen: dict) -> list:
 
 
 def _rows(size: Any) -> int:
+    """How large a candidate is: its rows, or a token plan's tokens per chunk."""
+    if _plan.by_tokens(size):
+        return size.tokens
     return sum(size) if isinstance(size, tuple) else size
+
+
+def _plan_candidates(candidates: Any) -> list[Any]:
+    """Chunk sizes in rows (as :func:`gc_jax.largest_chunk_size` takes them) or token
+    plans (``TokenBudget``, ``TokenPacking``), smallest first; not the two mixed."""
+    if isinstance(candidates, Iterable) and not isinstance(candidates, str | bytes | Mapping):
+        candidates = list(candidates)
+        tokens = [_plan.by_tokens(c) for c in candidates]
+        if candidates and all(tokens):
+            return sorted(candidates, key=lambda c: c.tokens)
+        if any(tokens):
+            raise TypeError(
+                "plan_step: candidates mix token plans (TokenBudget, TokenPacking) and chunk "
+                f"sizes in rows: {candidates!r}; pass all token plans, e.g. "
+                "[TokenBudget(tokens=2048, ...), TokenBudget(tokens=4096, ...)], or all rows."
+            )
+    return _candidates(candidates)
 
 
 class _Fit(NamedTuple):
