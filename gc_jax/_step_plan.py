@@ -179,7 +179,7 @@ def _check_token_timing(tried: list, by: str, args: tuple, kwargs: dict) -> None
     if (
         by == "time"
         and _plan.by_tokens(tried[0])
-        and not all(isinstance(x, jax.Array | np.ndarray) for x in leaves)
+        and any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     ):
         raise ValueError(
             'plan_step: timing token plans (by="time") needs the real batch, since their '
